@@ -1,0 +1,191 @@
+"""DSV4Cache: all DeepSeek-V4 per-request state as plain tensors (no SGLang imports).
+
+One allocation for `num_slots` request slots (a slot = SGLang's req_pool_idx). Per layer:
+
+* SWA raw KV ring      [S, sliding_window + spec_slack, head_dim]           row = position % ring
+* compressor input rows (projected kv and gate of the incomplete windows, fp32), rings keyed the
+  same way: CSA keeps the previous and the current 4-token block (overlapping windows) = 8 rows,
+  HCA the current 128-token block, the CSA indexer its own 8 rows; each ring has `spec_slack` extra.
+* compressed entries   C4 KV [S, cap//4, head_dim], C4 indexer keys [S, cap//4, index_head_dim],
+  C128 KV [S, cap//128, head_dim], row = entry number j (covers positions [j*r, (j+1)*r)).
+
+Validity is never stored: it is the caller's committed length L. A forward for (slot, start=L, n)
+reads only positions < L (and entries < L // r), and writes rows keyed by absolute position. That is
+the speculative contract: a verify pass writes rows at positions >= L; if they are rejected L does
+not move and later writes overwrite them. Because each ring has `spec_slack` rows more than the
+model ever needs, a verify of k <= spec_slack rows never clobbers a committed row still in use, and
+the only entries it can complete are j >= L // r, which are invalid at L.
+
+Computing new rows and storing them are separate steps (`SegmentWrites` then `write`), so a forward
+can defer its writes and store only the accepted prefix (`apply(pending, accepted)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+COMPRESSOR = "compressor"  # the layer's main KV compressor (CSA or HCA)
+INDEXER = "indexer"  # the CSA lightning indexer's own compressor
+
+
+@dataclass
+class SegmentWrites:
+    """What one layer produced for one segment: rows keyed by position, entries by entry number."""
+
+    layer: int
+    slot: int
+    start: int
+    length: int
+    ratio: int
+    swa: torch.Tensor  # [length, head_dim], positions start..start+length-1
+    rows: dict = field(default_factory=dict)  # name -> (kv [length, C], gate [length, C])
+    entries: dict = field(default_factory=dict)  # name -> (first entry number j0, [m, dim])
+
+    def prefix(self, n: int) -> "SegmentWrites":
+        """Keep the first n positions (the accepted ones) and the entries they complete."""
+        n = max(0, min(n, self.length))
+        entries = {}
+        for name, (j0, e) in self.entries.items():
+            complete = (self.start + n) // self.ratio  # entries j < this are complete
+            entries[name] = (j0, e[: max(0, complete - j0)])
+        rows = {k: (kv[:n], g[:n]) for k, (kv, g) in self.rows.items()}
+        return SegmentWrites(self.layer, self.slot, self.start, n, self.ratio, self.swa[:n], rows, entries)
+
+
+@dataclass
+class _LayerState:
+    ratio: int
+    swa: torch.Tensor
+    rows: dict  # name -> (kv ring, gate ring)
+    entries: dict  # name -> [S, cap // ratio, dim]
+
+
+class DSV4Cache:
+    def __init__(self, cfg, num_slots: int, max_context_len: int, spec_slack: int = 0,
+                 dtype=torch.float32, device=None, ratios=None):
+        """`ratios` defaults to the config's main layers (drafts can pass their own, all 0)."""
+        if num_slots <= 0 or max_context_len <= 0 or spec_slack < 0:
+            raise ValueError(
+                f"DSV4Cache: num_slots={num_slots}, max_context_len={max_context_len}, spec_slack={spec_slack}; "
+                "expected num_slots > 0, max_context_len > 0, spec_slack >= 0"
+            )
+        self.cfg, self.num_slots, self.max_context_len = cfg, num_slots, max_context_len
+        self.spec_slack, self.dtype, self.device = spec_slack, dtype, device
+        self.capacity = max_context_len + spec_slack  # highest position + 1 a forward may write
+        self.window_ring = cfg.sliding_window + spec_slack
+        ratios = cfg.compress_ratios if ratios is None else tuple(ratios)
+        self.layers = [self._alloc(r) for r in ratios]
+
+    def _alloc(self, ratio: int) -> _LayerState:
+        cfg, S = self.cfg, self.num_slots
+        D, Di = cfg.head_dim, cfg.index_head_dim
+
+        def zeros(*shape, dtype=self.dtype):
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        swa = zeros(S, self.window_ring, D)
+        rows, entries = {}, {}
+        if ratio:
+            overlap = ratio == 4
+            ring = self.rows_ring(ratio)
+            width = 2 * D if overlap else D
+            # Rows stay fp32 (tiny) so an entry pooled across forwards equals one pooled in one pass.
+            rows[COMPRESSOR] = (zeros(S, ring, width, dtype=torch.float32), zeros(S, ring, width, dtype=torch.float32))
+            entries[COMPRESSOR] = zeros(S, self.capacity // ratio, D)
+            if overlap:
+                rows[INDEXER] = (zeros(S, ring, 2 * Di, dtype=torch.float32), zeros(S, ring, 2 * Di, dtype=torch.float32))
+                entries[INDEXER] = zeros(S, self.capacity // ratio, Di)
+        return _LayerState(ratio, swa, rows, entries)
+
+    def rows_ring(self, ratio: int) -> int:
+        """Rows a compressor must remember: its incomplete block(s), plus the speculative slack."""
+        return (2 * ratio if ratio == 4 else ratio) + self.spec_slack
+
+    # -- reads (positions < the committed length only) --------------------------------------------
+    def _ring_index(self, p0: int, p1: int, ring: int):
+        if p1 - p0 > ring:
+            raise ValueError(f"DSV4Cache: asked for {p1 - p0} rows from a ring of {ring}")
+        return torch.arange(p0, p1, device=self.device) % ring
+
+    def swa_rows(self, layer: int, slot: int, p0: int, p1: int) -> torch.Tensor:
+        """Roped KV rows of positions [p0, p1)."""
+        st = self.layers[layer]
+        return st.swa[slot, self._ring_index(p0, p1, st.swa.shape[1])]
+
+    def compressor_rows(self, layer: int, name: str, slot: int, p0: int, p1: int):
+        """(kv, gate) projected rows of positions [p0, p1), fp32."""
+        kv, gate = self.layers[layer].rows[name]
+        idx = self._ring_index(p0, p1, kv.shape[1])
+        return kv[slot, idx], gate[slot, idx]
+
+    def entries(self, layer: int, name: str, slot: int, n: int) -> torch.Tensor:
+        """Compressed entries 0..n-1 (a view)."""
+        return self.layers[layer].entries[name][slot, :n]
+
+    # -- writes ------------------------------------------------------------------------------------
+    def write(self, w: SegmentWrites) -> None:
+        if w.start + w.length > self.capacity:
+            raise ValueError(
+                f"DSV4Cache: slot {w.slot} writes positions up to {w.start + w.length - 1}, "
+                f"beyond max_context_len + spec_slack = {self.capacity}"
+            )
+        st = self.layers[w.layer]
+        self._write_ring(st.swa, w.slot, w.start, w.swa)
+        for name, (kv, gate) in w.rows.items():
+            ring_kv, ring_gate = st.rows[name]
+            self._write_ring(ring_kv, w.slot, w.start, kv)
+            self._write_ring(ring_gate, w.slot, w.start, gate)
+        for name, (j0, e) in w.entries.items():
+            st.entries[name][w.slot, j0 : j0 + e.shape[0]] = e.to(self.dtype)
+
+    def _write_ring(self, ring: torch.Tensor, slot: int, start: int, rows: torch.Tensor) -> None:
+        n, size = rows.shape[0], ring.shape[1]
+        keep = min(n, size)  # older rows of a long segment would be overwritten anyway
+        pos = torch.arange(start + n - keep, start + n, device=ring.device)
+        ring[slot, pos % size] = rows[n - keep :].to(ring.dtype)
+
+    def apply(self, pending: list, accepted: dict | None = None) -> None:
+        """Store deferred writes; `accepted[slot] = n` keeps only that segment's first n positions."""
+        for w in pending:
+            self.write(w if accepted is None or w.slot not in accepted else w.prefix(accepted[w.slot]))
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a request. Not needed for correctness (validity is the committed length); it keeps
+        freed slots clean for debugging and makes reuse byte-identical to a fresh cache."""
+        for t in self.state_tensors().values():
+            t[slot].zero_()
+
+    # -- accounting --------------------------------------------------------------------------------
+    def state_tensors(self) -> dict:
+        out = {}
+        for i, st in enumerate(self.layers):
+            out[f"layers.{i}.swa"] = st.swa
+            for name, (kv, gate) in st.rows.items():
+                out[f"layers.{i}.{name}.rows_kv"], out[f"layers.{i}.{name}.rows_gate"] = kv, gate
+            for name, e in st.entries.items():
+                out[f"layers.{i}.{name}.entries"] = e
+        return out
+
+    def nbytes(self) -> dict:
+        """Bytes per component over all slots: swa, compressor_rows, c4_kv, c4_index, c128_kv, total."""
+        acc = dict.fromkeys(("swa", "compressor_rows", "c4_kv", "c4_index", "c128_kv"), 0)
+        for st in self.layers:
+            acc["swa"] += _nb(st.swa)
+            acc["compressor_rows"] += sum(_nb(kv) + _nb(g) for kv, g in st.rows.values())
+            if st.ratio == 4:
+                acc["c4_kv"] += _nb(st.entries[COMPRESSOR])
+                acc["c4_index"] += _nb(st.entries[INDEXER])
+            elif st.ratio == 128:
+                acc["c128_kv"] += _nb(st.entries[COMPRESSOR])
+        acc["total"] = sum(acc.values())
+        return acc
+
+    def bytes_per_token(self) -> float:
+        """Total state bytes divided by the token capacity (num_slots * max_context_len)."""
+        return self.nbytes()["total"] / (self.num_slots * self.max_context_len)
+
+
+def _nb(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,117 @@
+"""DeepSeek-V4 attention (reference §1.4): shared-KV MQA over SWA rows + compressed entries.
+
+Per token (x = the sublayer input after mHC pre and attn_norm):
+    q_lat = RMSNorm_{q_norm}(W_qa x);  q_h = RoPE(rms(W_qb q_lat)_h)     (per-head norm, no weight)
+    kv    = RoPE(RMSNorm_{kv_norm}(W_kv x))                               (one vector = key = value)
+Key set of a query at t: the raw kv of positions t-W+1..t (W = sliding_window, including itself),
+plus compressed entries: CSA (ratio 4) the indexer's top-k visible ones, HCA (ratio 128) all visible
+ones (j < (t+1)//r). Softmax with a per-head sink in the denominator, scale head_dim^-1/2. The output's
+rope channels are rotated back (-angle of t), then the grouped low-rank projection
+    y = W_ob concat_g(W_oa,g concat(o_h for h in group g)).
+
+Row-wise projections run over the whole forward at once; everything touching a request's history
+runs per segment against the cache. New rows are collected in a `SegmentWrites` and stored after the
+segment's reads (or handed back when the caller defers writes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..attention_backend.cache import COMPRESSOR, INDEXER, SegmentWrites
+from . import RMSNorm
+from .compressor import Compressor
+from .indexer import Indexer
+from .rope import Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int, dtype=None, device=None):
+        super().__init__()
+        self.cfg, self.layer_id, self.ratio = cfg, layer_id, cfg.compress_ratios[layer_id]
+        H, D, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        self.n_heads, self.head_dim, self.window, self.eps = H, D, cfg.sliding_window, cfg.rms_norm_eps
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, **kw)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, **kw)
+        self.wkv = nn.Linear(d, D, **kw)
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, **kw)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, **kw)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
+        self.rotary = Rotary(cfg.rope_for(layer_id), device=device)
+        self.compressor = Compressor(cfg, self.ratio, D, dtype, device) if self.ratio else None
+        self.indexer = Indexer(cfg, dtype, device) if self.ratio == 4 else None
+
+    def forward(self, x, positions, segments, cache, pending: list | None = None) -> torch.Tensor:
+        cos, sin = self.rotary(positions)
+        q_lat = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        rows = {}
+        if self.compressor is not None:
+            rows[COMPRESSOR] = self.compressor.project(x)
+        if self.indexer is not None:
+            rows[INDEXER] = self.indexer.compressor.project(x)
+            qi, wi = self.indexer.queries(q_lat, x, cos, sin)
+
+        out = torch.empty_like(q)
+        offset = 0
+        for seg in segments:
+            sl = slice(offset, offset + seg.length)
+            offset += seg.length
+            w = SegmentWrites(self.layer_id, seg.slot, seg.start, seg.length, self.ratio, kv[sl])
+            w.rows = {name: (k[sl], g[sl]) for name, (k, g) in rows.items()}
+            pool, idx, valid = self._window(cache, seg, kv[sl], positions[sl])
+            if self.compressor is not None:
+                entries = self._entries(cache, seg, w, COMPRESSOR, self.compressor)
+                if self.indexer is not None:
+                    keys = self._entries(cache, seg, w, INDEXER, self.indexer.compressor)
+                    sel, ok = self.indexer.select(qi[sl], wi[sl], keys, positions[sl])
+                else:  # HCA: every visible entry
+                    sel = torch.arange(entries.shape[0], device=x.device).expand(seg.length, -1)
+                    ok = sel < ((positions[sl] + 1) // self.ratio)[:, None]
+                idx = torch.cat([idx, sel + pool.shape[0]], dim=1)
+                valid = torch.cat([valid, ok], dim=1)
+                pool = torch.cat([pool, entries])
+            out[sl] = ops.sparse_attention_with_sink(q[sl], pool, idx, valid, self.attn_sink, self.head_dim**-0.5)
+            if pending is None:
+                cache.write(w)
+            else:
+                pending.append(w)
+
+        out = ops.apply_rope(out, cos, sin, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def _window(self, cache, seg, kv_new, positions):
+        """Raw-KV pool of positions [p0, start+n) and each query's window rows in it (ascending)."""
+        p0 = max(0, seg.start - self.window + 1)
+        pool = kv_new.to(cache.dtype)
+        if p0 < seg.start:
+            pool = torch.cat([cache.swa_rows(self.layer_id, seg.slot, p0, seg.start), pool])
+        last = positions - p0  # the query's own row
+        idx = last[:, None] - (self.window - 1) + torch.arange(self.window, device=positions.device)
+        return pool, idx, idx >= 0
+
+    def _entries(self, cache, seg, w: SegmentWrites, name: str, compressor: Compressor):
+        """All compressed entries visible to the segment's last token: cached ones + newly completed."""
+        j0, new = compressor.segment_entries(
+            w.rows[name],
+            seg.start,
+            lambda p0, p1: cache.compressor_rows(self.layer_id, name, seg.slot, p0, p1),
+            self.rotary,
+            cache.dtype,
+        )
+        w.entries[name] = (j0, new)
+        return torch.cat([cache.entries(self.layer_id, name, seg.slot, j0), new])
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """Group g's heads (contiguous) -> o_lora via its own block of wo_a; groups concatenated."""
+        G = self.cfg.o_groups
+        groups = o.flatten(1).unflatten(-1, (G, -1))  # [T, G, H*D/G]
+        wa = self.wo_a.weight.unflatten(0, (G, -1))  # [G, o_lora, H*D/G]
+        return torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)

@@ -1,0 +1,73 @@
+"""DeepSeek-V4 MoE (reference §1.6).
+
+Router (fp32): s_e = sqrt(softplus(W_gate y)_e).
+Selection: hash layers take the experts tid2eid[token] of the *current input token*; other layers
+take the top-k of s_e + bias_e (the bias only steers the choice).
+Weights: w_k = s_{e_k} / sum_k s_{e_k} * routed_scaling_factor (unbiased scores).
+Expert: silu(min(W1 y, L)) * clamp(W3 y, -L, L) -> W2, L = swiglu_limit; the shared expert uses the
+same clamped SwiGLU and is added unweighted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float, dtype=None, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.w1, self.w3, self.w2 = nn.Linear(dim, inter, **kw), nn.Linear(dim, inter, **kw), nn.Linear(inter, dim, **kw)
+        self.limit = limit
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.swiglu_clamped(self.w1(y), self.w3(y), self.limit))
+
+
+class Gate(nn.Module):
+    """Released names: `gate.weight`, and `gate.bias` (top-k layers) or `gate.tid2eid` (hash layers)."""
+
+    def __init__(self, cfg, is_hash: bool, dtype=None, device=None):
+        super().__init__()
+        self.k, self.scaling, self.is_hash = cfg.num_experts_per_tok, cfg.routed_scaling_factor, is_hash
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype, device=device))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long, device=device))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
+        """-> (expert ids [T, k], weights [T, k] fp32)."""
+        scores = ops.sqrtsoftplus(F.linear(y.float(), self.weight.float()))
+        if self.is_hash:
+            experts = self.tid2eid[input_ids].long()
+        else:
+            experts = torch.topk(scores + self.bias.float(), self.k, dim=-1).indices
+        w = scores.gather(1, experts)
+        return experts, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, layer_id: int, dtype=None, device=None):
+        super().__init__()
+        d, inter, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.gate = Gate(cfg, cfg.hash_layers[layer_id], dtype, device)
+        self.experts = nn.ModuleList(Expert(d, inter, lim, dtype, device) for _ in range(cfg.n_routed_experts))
+        n_shared = cfg.n_shared_experts
+        self.shared_experts = Expert(d, inter * n_shared, lim, dtype, device) if n_shared else None
+
+    def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.gate(y, input_ids)
+        out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        # Loop over the experts that received tokens (not over tokens): the reference dispatch.
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.where(experts == e)
+            contrib = self.experts[e](y[tok]).float() * weights[tok, slot, None]
+            out.index_add_(0, tok, contrib)
+        if self.shared_experts is not None:
+            out += self.shared_experts(y).float()
+        return out.to(y.dtype)

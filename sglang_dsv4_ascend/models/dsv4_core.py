@@ -1,0 +1,129 @@
+"""DeepSeek-V4 trunk in plain PyTorch: embed -> blocks (mHC-wrapped attention + MoE) -> hc head ->
+norm -> head. Module and parameter names mirror the released checkpoint names (`embed.weight`,
+`layers.N.attn.wq_a.weight`, `layers.N.hc_attn_fn`, `layers.N.ffn.experts.E.w1.weight`, ...).
+
+A forward takes the tokens of several requests concatenated; each request is a `Segment` telling its
+cache slot, how many of its tokens the cache already holds (`start`) and how many are new.
+Full prefill (start=0), chunked prefill, decode (length 1), speculative verify and mixtures of them
+all go through the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DSV4Config
+from ..layers import RMSNorm
+from ..layers.attention import Attention
+from ..layers.mhc import hc_head, hc_post, hc_pre
+from ..layers.moe import MoE
+
+# Released in fp32 and kept in fp32 whatever the model dtype (mHC, sinks, ape, router bias).
+_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's new tokens in a forward: cache `slot`, `start` = position of its first new token
+    (= tokens already in its cache, the committed length), `length` = number of new tokens."""
+
+    slot: int
+    start: int
+    length: int
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int, dtype=None, device=None):
+        super().__init__()
+        self.cfg = cfg
+        n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.hidden_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(n_mix, width, device=device)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(n_mix, device=device)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, device=device)))
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.attn = Attention(cfg, layer_id, dtype, device)
+        self.ffn = MoE(cfg, layer_id, dtype, device)
+
+    def forward(self, streams, input_ids, positions, segments, cache, pending=None):
+        y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        out = self.attn(self.attn_norm(y), positions, segments, cache, pending)
+        streams = hc_post(streams, out, post, comb)
+        y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
+        out = self.ffn(self.ffn_norm(y), input_ids)
+        return hc_post(streams, out, post, comb)
+
+
+class DSV4Model(nn.Module):
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        d = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * d, device=device))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, device=device))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, device=device))
+        for name, p in self.named_parameters():
+            want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+
+    def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int = 0, device=None):
+        from ..attention_backend.cache import DSV4Cache
+
+        return DSV4Cache(self.cfg, num_slots, max_context_len, spec_slack, dtype=self.dtype, device=device)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, segments, cache, pending: list | None = None,
+                aux: dict | None = None) -> torch.Tensor:
+        """Hidden states [T, d] after the hc head and final norm (feed to `compute_logits`).
+
+        input_ids/positions: [T], the segments' tokens concatenated in order; positions must be
+        start..start+length-1 per segment. `pending`: if a list, cache writes are appended to it
+        (`SegmentWrites`, apply with `cache.apply(pending, accepted)`) instead of stored.
+        `aux`: if a dict, receives "streams" [T, hc_mult, d] (pre-head mHC streams, for NextN) and
+        "layer_streams" (list of each layer's output streams, for DSpark target features)."""
+        _check_batch(input_ids, positions, segments, cache)
+        streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        layer_streams = []
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, segments, cache, pending)
+            if aux is not None:
+                layer_streams.append(streams)
+        if aux is not None:
+            aux["streams"], aux["layer_streams"] = streams, layer_streams
+        h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab]."""
+        return F.linear(hidden.float(), self.head.weight.float())
+
+
+def _check_batch(input_ids, positions, segments, cache) -> None:
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
+                         f"and {tuple(positions.shape)}")
+    total = sum(s.length for s in segments)
+    if total != input_ids.shape[0]:
+        raise ValueError(f"segments cover {total} tokens but input_ids has {input_ids.shape[0]}")
+    slots = [s.slot for s in segments]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"a slot appears twice in one forward: {slots}")
+    expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions
+    if not torch.equal(positions.cpu(), expected):
+        raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
+    for s in segments:
+        if not 0 <= s.slot < cache.num_slots or s.length <= 0 or s.start < 0:
+            raise ValueError(f"bad segment {s}: need 0 <= slot < {cache.num_slots}, start >= 0, length > 0")
+        if s.start + s.length > cache.capacity:
+            raise ValueError(f"segment {s} runs past max_context_len + spec_slack = {cache.capacity}")

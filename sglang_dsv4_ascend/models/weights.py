@@ -1,0 +1,125 @@
+"""Load released DeepSeek-V4 tensors into `DSV4Model`, with errors that name the tensor.
+
+`DSV4Model`'s parameter names are the released names (`embed.weight`, `layers.N.attn.wq_a.weight`,
+`layers.N.ffn.gate.tid2eid`, ...), so the mapping is the identity minus what this trunk does not own:
+`mtp.*` (draft layers, loaded elsewhere). Only bf16/fp16/fp32 checkpoints are accepted: the preview
+release ships FP8 block-quantized linears and FP4 packed experts with `.scale` tensors, which are
+refused with a clear message instead of being loaded as garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import torch
+
+from ..config import DSV4Config
+from .dsv4_core import DSV4Model
+
+_FLOAT_OK = (torch.float32, torch.bfloat16, torch.float16)
+_QUANT_SUFFIXES = (".scale", "scale_inv", ".weight_scale", ".input_scale")
+
+
+def _where(name: str, file) -> str:
+    return f" (file {file})" if file else ""
+
+
+def _quant_error(name: str, dtype, file) -> ValueError:
+    return ValueError(
+        f"tensor {name!r}{_where(name, file)} is quantized (dtype {dtype}): FP8/FP4 released weights are not "
+        "supported yet; this loader takes bf16/fp16/fp32 checkpoints only (dequantize the checkpoint first)"
+    )
+
+
+def is_ignored(name: str) -> bool:
+    """Tensors this trunk does not own: draft (MTP / DSpark) layers."""
+    return name.startswith("mtp.")
+
+
+def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> None:
+    """Copy released tensors into `model`.
+
+    weights: (name, tensor) or (name, tensor, file) items. source: a file/dir name for all tensors,
+    or a {name: file} dict, used in error messages. Raises ValueError on a missing, unexpected,
+    mis-shaped or quantized tensor, or an out-of-range tid2eid table."""
+    targets = model.state_dict(keep_vars=True)
+    loaded = set()
+
+    def file_of(name, explicit=None):
+        if explicit is not None:
+            return explicit
+        return source.get(name) if isinstance(source, dict) else source
+
+    for item in weights:
+        name, tensor = item[0], item[1]
+        file = file_of(name, item[2] if len(item) > 2 else None)
+        if is_ignored(name):
+            continue
+        if name.endswith(_QUANT_SUFFIXES) or (tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK):
+            raise _quant_error(name, tensor.dtype, file)
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(
+                f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: DSV4Model has no "
+                f"such parameter (config: {model.cfg.num_hidden_layers} layers, ratios {list(model.cfg.compress_ratios)})"
+            )
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name!r}{_where(name, file)} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(target.shape)} from the config"
+            )
+        if target.is_floating_point() and not tensor.is_floating_point():
+            raise _quant_error(name, tensor.dtype, file)  # packed FP4 experts arrive as int8/uint8
+        if name.endswith("tid2eid"):
+            _check_tid2eid(name, tensor, model.cfg.n_routed_experts, file)
+        with torch.no_grad():
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        loaded.add(name)
+
+    missing = [n for n in targets if n not in loaded]
+    if missing:
+        shown = ", ".join(f"{n!r} expected shape {tuple(targets[n].shape)}" for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        where = f" in {source}" if isinstance(source, str) else ""
+        raise ValueError(f"missing tensor(s){where}: {shown}{more}")
+
+
+def _check_tid2eid(name, t, n_experts, file):
+    if t.is_floating_point() or (t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_experts)):
+        raise ValueError(
+            f"tensor {name!r}{_where(name, file)}: expected integer expert ids in [0, {n_experts}), "
+            f"got dtype {t.dtype} range [{t.min().item()}, {t.max().item()}]"
+        )
+
+
+def _safetensor_files(path: str) -> list:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def iter_checkpoint(path: str, skip=is_ignored):
+    """(name, tensor, file) for every tensor of a checkpoint dir; `skip`ped names are not read."""
+    from safetensors import safe_open
+
+    for fname in _safetensor_files(path):
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for name in f.keys():
+                if not skip(name):
+                    yield name, f.get_tensor(name), fname
+
+
+def load_model_from_dir(path: str, dtype: torch.dtype = torch.float32, device=None) -> DSV4Model:
+    """config.json + safetensors -> an eval-mode DSV4Model."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = DSV4Config.from_hf(json.load(f))
+    model = DSV4Model(cfg, dtype=dtype, device=device)
+    load_released_weights(model, iter_checkpoint(path), source=path)
+    return model.eval()

@@ -1,0 +1,127 @@
+"""Plain-torch definitions of the DeepSeek-V4 hot ops.
+
+These are the semantics every faster implementation must reproduce. Precision rule (from the
+official code): reductions that decide weights (norm statistics, softmaxes, Sinkhorn, router) run in
+fp32; results are cast back to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics over the last dim in fp32.
+
+    `weight=None` is the unweighted form V4 applies to every query head."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0):
+    """angle[p, i] = p * inv_freq[i] (one angle per rotated pair); returns fp32 (cos, sin)."""
+    angles = positions.float()[..., None] * inv_freq.float()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved partial RoPE on the trailing 2*cos.shape[-1] channels of x.
+
+    Pairs (x_{2i}, x_{2i+1}) of the rope slice rotate by angle a_i:
+        y_{2i}   = x_{2i} cos a_i - x_{2i+1} sin a_i
+        y_{2i+1} = x_{2i} sin a_i + x_{2i+1} cos a_i
+    `inverse=True` rotates by -a_i (V4 applies it to the attention output, whose value vectors
+    carried rotated rope channels). cos/sin: [T, rd/2]; x: [T, rd...] or [T, H, D] (heads broadcast).
+    The leading (nope) channels pass through unchanged."""
+    rd = 2 * cos.shape[-1]
+    if x.dim() == cos.dim() + 1:  # [T, H, D]: broadcast over heads
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project [.., n, n] logits to an (approximately) doubly-stochastic matrix, in fp32.
+
+    C = softmax_rows(logits) + eps; C /= colsum + eps; then (iters-1) times:
+    C /= rowsum + eps; C /= colsum + eps."""
+    c = torch.softmax(logits.float(), dim=-1) + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    return c
+
+
+def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """mix = fn · (v / rms(v)) with v = flatten(streams) in fp32: streams [T, n, d] -> [T, rows(fn)]."""
+    v = streams.flatten(-2).float()
+    return F.linear(rms_norm(v, None, norm_eps), fn.float())
+
+
+def mhc_weights(streams, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
+    """mHC coefficients for one sublayer, all fp32.
+
+    pre_i  = sigmoid(mix_i * scale_0 + base_i) + hc_eps                (collapse n streams -> 1)
+    post_i = 2 * sigmoid(mix_{n+i} * scale_1 + base_{n+i})             (expand output -> n streams)
+    comb   = sinkhorn(reshape(mix_{2n:} * scale_2 + base_{2n:}, n x n)) (stream mixing, [src, dst])"""
+    mix = mhc_mix(streams, fn, norm_eps)
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (mix[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
+    return pre, post, sinkhorn(comb_logits, iters, hc_eps)
+
+
+def softmax_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Compression of a window: out_c = sum_s softmax_s(gate_{s,c}) * kv_{s,c}, per channel c.
+
+    kv, gate: [N, L, C] (window axis L); -inf gates exclude a slot. Computed in fp32."""
+    w = torch.softmax(gate.float(), dim=1)
+    return (kv.float() * w).sum(dim=1)
+
+
+def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, max_chunk_elems: int = 1 << 24):
+    """Attention of each query over its own gathered key set, with a per-head sink.
+
+    q [T, H, D]; kv_pool [N, D] holds the candidate rows, each both key and value (shared-KV MQA);
+    query t uses rows kv_pool[indices[t, k]] where valid[t, k]; sink [H].
+        l_{h,k} = scale * q_h . kv_k          (invalid: -inf)
+        o_h = sum_k exp(l_{h,k} - m) kv_k / (exp(sink_h - m) + sum_k exp(l_{h,k} - m))
+    with m = max(max_k l_{h,k}, sink_h): the sink only enlarges the denominator. The sink is finite,
+    so a query with no valid key gets 0. Queries are gathered in chunks to bound memory."""
+    T, H, D = q.shape
+    K = indices.shape[1]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    step = max(1, max_chunk_elems // max(1, K * max(D, H)))
+    sink = sink.float().view(1, H, 1)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        ok = valid[a:b]
+        # Zero the invalid rows: a 0 probability times garbage (stale or NaN rows) must stay 0.
+        v = kv_pool[indices[a:b].clamp(0, max(0, kv_pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0)
+        logits = torch.einsum("thd,tkd->thk", q[a:b].float(), v) * scale
+        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+        combined = torch.cat([logits, sink.expand(b - a, H, 1)], dim=-1)
+        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        out[a:b] = torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
+    return out
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """h = silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 disables the clamp."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
+    """Router score s = sqrt(softplus(logit))."""
+    return F.softplus(logits).sqrt()
