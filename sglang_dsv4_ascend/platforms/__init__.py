@@ -1,0 +1,50 @@
+"""The single `sglang.srt.platforms` entry point of this distribution.
+
+SGLang allows one platform per process and, with SGLANG_PLATFORM set, drops the general plugins of
+every distribution that offers a *different* platform entry point; two entry points here (cpu and
+ascend) would switch off our own hooks whichever was chosen. So one `activate()` picks.
+
+This module must stay import-light: many SGLang modules read `current_platform` at import time, so
+`activate()` runs while SGLang itself is half imported. No sglang or torch_npu imports here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+CPU_PLATFORM = "sglang_dsv4_ascend.platforms.cpu.CpuReferencePlatform"
+
+# SGLANG_DSV4_PLATFORM: "auto" (default), "cpu" (force the CPU reference platform, even on an
+# accelerator host), or "off" (never activate; SGLang picks its own platform).
+ENV = "SGLANG_DSV4_PLATFORM"
+
+
+def _accelerator_present() -> str | None:
+    """Name of an accelerator stack that owns this machine, or None."""
+    if importlib.util.find_spec("torch_npu") is not None:
+        # The Ascend platform (a subclass of SGLang's NPU platform) is not shipped yet; until
+        # it is, SGLang's own NPU platform serves and our general plugin still registers.
+        return "npu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return "xpu"
+    return None
+
+
+def activate() -> str | None:
+    mode = os.environ.get(ENV, "auto").strip().lower()
+    if mode == "off":
+        return None
+    if mode == "cpu":
+        return CPU_PLATFORM
+    if mode != "auto":
+        raise ValueError(f"{ENV}={mode!r}: expected one of 'auto', 'cpu', 'off'")
+    # Never hijack a real accelerator install, nor SGLang's own CPU engine when asked for.
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1":
+        return None
+    return None if _accelerator_present() else CPU_PLATFORM

@@ -1,0 +1,83 @@
+"""CPU reference platform: stock SGLang serving on a machine with no accelerator.
+
+Stock SGLang 0.5.23 does not serve on CPU as shipped (`--device cpu` dies importing vllm's rotary
+kernels, and `SGLANG_USE_CPU_ENGINE=1` needs a CPU build of sgl-kernel that PyPI lacks). As an
+out-of-tree (OOT) platform we get SGLang's torch-native fallbacks everywhere and supply the
+defaults that make it work, so a CPU user runs the same `sglang serve` command as on an NPU.
+
+This is the reference every test in this repository runs on. The Ascend platform will keep this
+class structure (defaults, pools, workers) as a subclass of SGLang's NPU platform.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+logger = logging.getLogger(__name__)
+
+# Uncapped, SGLang sizes the KV pool from "free device memory" = free RAM (measured: 15 GB for a
+# tiny model). A CPU server shares RAM with everything else, so cap it unless the user chose.
+DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    # No Triton launches on CPU: SGLang then uses its torch-native allocator and writers.
+    capabilities = PlatformCapabilities()
+
+    def get_device(self, device_id: int = 0):
+        # SGLang formats and compares this as a string in several places.
+        return "cpu"
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return int(psutil.virtual_memory().total)
+
+    def is_pin_memory_available(self, device=None) -> bool:
+        return False
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        # Only fields the user left unset; writes here become declarations that model
+        # overrides (e.g. DeepSeek-V4's) may still replace.
+        if getattr(server_args, "device", None) in (None, "auto"):
+            server_args.device = "cpu"
+        if getattr(server_args, "attention_backend", None) is None:
+            server_args.attention_backend = "torch_native"
+        if getattr(server_args, "sampling_backend", None) is None:
+            server_args.sampling_backend = "pytorch"
+        if getattr(server_args, "max_total_tokens", None) is None:
+            server_args.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
+            logger.info("CPU reference platform: capping the KV pool at %d tokens "
+                        "(--max-total-tokens to change)", DEFAULT_MAX_TOTAL_TOKENS)
+
+    def get_default_attention_backend(self) -> str:
+        return "torch_native"
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return "torch_native"
+
+    def get_kv_pool_cls(self, *, kind):
+        if kind == "mha":
+            from sglang_dsv4_ascend.platforms.cpu_pools import CpuMHATokenToKVPool
+
+            return CpuMHATokenToKVPool
+        return None
+
+    def get_torch_distributed_backend_str(self) -> str:
+        return "gloo"
+
+    def get_group_coordinator_device(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return False

@@ -1,0 +1,47 @@
+"""The `sglang.srt.plugins` entry point: one `register()` that SGLang calls in every process
+(main, scheduler, detokenizer) before it builds anything.
+
+SGLang only *logs* exceptions raised by plugins and then carries on, which would leave a server
+running half-patched. So a failure here is printed loudly and re-raised as SystemExit where it
+would otherwise misbehave (an unsupported SGLang version with hooks to install).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+# What register() did in this process, for `doctor` and for tests.
+REGISTERED: dict[str, list[str]] = {"components": [], "hooks": []}
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    from sglang_dsv4_ascend import compat
+
+    try:
+        compat.check_sglang_version()
+        for name, install in _components():
+            install()
+            REGISTERED["components"].append(name)
+        REGISTERED["hooks"].extend(compat.install_hooks())
+    except compat.UnsupportedSGLang as e:
+        msg = f"[sglang-dsv4-ascend] refusing to start: {e}"
+        print(msg, file=sys.stderr, flush=True)
+        logger.error(msg)
+        raise SystemExit(msg) from e
+    logger.info("sglang-dsv4-ascend registered: components=%s hooks=%s",
+                REGISTERED["components"], REGISTERED["hooks"])
+
+
+def _components():
+    """(name, installer) for every component that exists in this version of the package."""
+    from sglang_dsv4_ascend import registrations
+
+    return registrations.COMPONENTS

@@ -1,0 +1,111 @@
+"""`python -m sglang_dsv4_ascend.tools.doctor`: what this installation will do, and whether it can.
+
+Prints the SGLang version and whether it is in the supported range, the components and hooks the
+plugin registers (and whether every hook target still has the signature we expect), the active
+device family, and whether torch_npu / triton / triton-ascend import. Import checks run in child
+processes, because a broken torch_npu can take the importing process down with it.
+Exit code 0 when everything needed on this machine is in order, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+def _import_check(module: str, attr: str = "__version__") -> dict:
+    code = f"import {module} as m; print(getattr(m, {attr!r}, 'unknown'))"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"imports": False, "error": "timed out after 120 s"}
+    if r.returncode == 0:
+        return {"imports": True, "version": r.stdout.strip()}
+    err = (r.stderr.strip().splitlines() or ["?"])[-1]
+    return {"imports": False, "error": err}
+
+
+def _triton_ascend_installed() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("triton-ascend")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def collect() -> dict:
+    from sglang_dsv4_ascend import __version__, compat, device, platforms, registrations
+
+    v = compat.installed_sglang_version()
+    report = {
+        "sglang_dsv4_ascend": __version__,
+        "sglang": {"version": v, "supported_range": compat.SUPPORTED_SGLANG_TEXT,
+                   "supported": compat.version_supported(v)},
+        "device_family": device.device_family(),
+        "platform": platforms.activate() or "SGLang's own (ours stands aside)",
+        "kernel_family": device.kernel_family(),
+        "components": [name for name, _ in registrations.COMPONENTS],
+        "hooks": [],
+        "imports": {
+            "torch_npu": _import_check("torch_npu"),
+            "triton": _import_check("triton"),
+        },
+        "triton_ascend_installed": _triton_ascend_installed(),
+    }
+    if report["sglang"]["supported"]:
+        for h in compat.hooks():
+            try:
+                h.check()
+                report["hooks"].append({"name": h.name, "target": h.target, "ok": True})
+            except compat.UnsupportedSGLang as e:
+                report["hooks"].append({"name": h.name, "target": h.target, "ok": False, "error": str(e)})
+    problems = []
+    if not report["sglang"]["supported"]:
+        problems.append(f"sglang {v} is outside {compat.SUPPORTED_SGLANG_TEXT}: the plugin will refuse to start")
+    problems += [f"hook {h['name']}: {h['error']}" for h in report["hooks"] if not h["ok"]]
+    if report["device_family"] == "npu" and not report["imports"]["torch_npu"]["imports"]:
+        problems.append("torch_npu is installed but does not import (is CANN set up? source set_env.sh)")
+    npu = report["imports"]["torch_npu"]
+    if report["device_family"] != "npu" and not npu["imports"] and not npu["error"].startswith("ModuleNotFoundError"):
+        problems.append("a broken torch_npu is installed on a non-NPU machine: uninstall it")
+    if report["device_family"] != "npu" and report["triton_ascend_installed"]:
+        problems.append("triton-ascend is installed on a non-NPU machine: it replaces triton's files; reinstall triton")
+    report["problems"] = problems
+    report["ok"] = not problems
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Check a sglang-dsv4-ascend installation.")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = ap.parse_args(argv)
+    r = collect()
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        s = r["sglang"]
+        print(f"sglang-dsv4-ascend {r['sglang_dsv4_ascend']}")
+        print(f"sglang            {s['version']}  ({'supported' if s['supported'] else 'NOT supported'}; "
+              f"supported: {s['supported_range']})")
+        print(f"device family     {r['device_family']}  (kernels: {r['kernel_family']})")
+        print(f"platform          {r['platform']}")
+        print(f"components        {', '.join(r['components']) or '(none)'}")
+        for h in r["hooks"]:
+            print(f"hook              {h['name']} -> {h['target']}: {'ok' if h['ok'] else h['error']}")
+        if not r["hooks"]:
+            print("hooks             (none)" if s["supported"] else "hooks             (not checked: unsupported sglang)")
+        for mod, res in r["imports"].items():
+            print(f"import {mod:<11} {'ok ' + res['version'] if res['imports'] else 'no (' + res['error'] + ')'}")
+        print(f"triton-ascend     {'installed' if r['triton_ascend_installed'] else 'not installed'}")
+        for p in r["problems"]:
+            print(f"PROBLEM: {p}")
+        print("OK" if r["ok"] else "NOT OK")
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

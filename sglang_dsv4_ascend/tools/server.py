@@ -1,0 +1,129 @@
+"""Start a real SGLang server (subprocess) with the plugin installed, and talk to it.
+
+Shared by the e2e tests, the demo (examples/serve_tiny.py) and the benchmarks.
+
+Used as a context manager by the e2e fixtures: picks a free port on 127.0.0.1, waits for /health
+with a timeout, dumps the server log on failure, and always tears the whole process group down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+HOST = "127.0.0.1"
+
+# Lines that mean a server process died even though the main process may linger.
+FATAL_MARKERS = ("Scheduler hit an exception", "Received sigquit from a child process")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class SGLangServer:
+    def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
+                 startup_timeout: float = 240.0):
+        self.model_path = model_path
+        self.extra_args = list(extra_args)
+        self.env = env or {}
+        self.startup_timeout = startup_timeout
+        self.port = free_port()
+        self.proc = None
+        self.log_path = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> "SGLangServer":
+        fd, self.log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+        log = os.fdopen(fd, "w")
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", HOST, "--port", str(self.port), "--dtype", "float32",
+               "--max-total-tokens", "8192", "--skip-server-warmup", *self.extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServerFailed(f"server exited with {self.proc.returncode}\n{self.log_tail()}")
+            if any(m in self.log_text() for m in FATAL_MARKERS):
+                self.stop()
+                raise ServerFailed(f"a server process failed\n{self.log_tail()}")
+            try:
+                if self.get("/health", timeout=2)[0] == 200:
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServerFailed(f"server not healthy after {self.startup_timeout}s\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+
+    def log_text(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 120) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return "(no log)"
+        with open(self.log_path, errors="replace") as f:
+            lines = f.readlines()
+        return "---- server log (tail) ----\n" + "".join(lines[-n:])
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- client -----------------------------------------------------------------------------
+    def get(self, path: str, timeout: float = 30):
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.status, r.read()
+
+    def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"POST {path} -> {e.code}: {e.read()[:2000]!r}\n{self.log_tail(40)}") from e
+
+    def generate(self, input_ids, max_new_tokens: int, **sampling) -> dict:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        return self.post("/generate", {"input_ids": input_ids, "sampling_params": params})
+
+    def server_info(self) -> dict:
+        return json.loads(self.get("/get_server_info")[1])

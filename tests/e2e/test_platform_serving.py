@@ -1,0 +1,65 @@
+"""The CPU reference platform makes stock SGLang serve, in every server process.
+
+Stock SGLang 0.5.23 cannot serve on a CPU-only machine; with the plugin installed it must, with
+the same command as on an NPU. The control test switches only our platform off and shows the same
+command failing, so the first test cannot pass without the plugin inside the server processes.
+"""
+
+import pytest
+import torch
+from sglang_dsv4_ascend.tools.server import ServerFailed
+from prompts import load_prompts
+
+pytestmark = pytest.mark.e2e
+
+
+def _hf_greedy(model_path, prompt_ids, n):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    out = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            g = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=1, min_new_tokens=n)
+        out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def test_cpu_platform_serves_like_hf(tiny_llama, start_server):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = load_prompts("gsm8k", 2) + load_prompts("humaneval", 1)
+    prompt_ids = [tok(p).input_ids[:96] for p in prompts]
+    n = 12
+    expected = _hf_greedy(tiny_llama, prompt_ids, n)
+
+    srv = start_server(tiny_llama)
+    info = srv.server_info()
+    # Defaults that only our platform declares (the user passed none of them).
+    assert info["device"] == "cpu"
+    assert info["attention_backend"] == "torch_native"
+    assert info["sampling_backend"] == "pytorch"
+
+    for ids, want in zip(prompt_ids, expected):
+        got = srv.generate(ids, n, ignore_eos=True)["output_ids"]
+        assert got == want
+
+    # Concurrent requests in one batch give the same tokens as alone.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda ids: srv.generate(ids, n, ignore_eos=True)["output_ids"], prompt_ids))
+    assert outs == expected
+
+
+def test_same_command_fails_without_our_platform(tiny_llama):
+    """Stock SGLang's own CPU flags get past the main process and die in the scheduler."""
+    from sglang_dsv4_ascend.tools.server import SGLangServer
+
+    srv = SGLangServer(tiny_llama, "--device", "cpu", "--attention-backend", "torch_native",
+                       "--sampling-backend", "pytorch", env={"SGLANG_DSV4_PLATFORM": "off"},
+                       startup_timeout=120)
+    with pytest.raises(ServerFailed, match="Scheduler hit an exception"):
+        srv.start()

@@ -1,0 +1,99 @@
+"""Plugin loading contract: cheap import, the right platform choice, refusal outside the supported
+SGLang range, and a doctor that tells the truth about it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code, env=None):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_import_is_cheap():
+    r = _run("""
+        import sys
+        import sglang_dsv4_ascend, sglang_dsv4_ascend.plugin, sglang_dsv4_ascend.platforms
+        import sglang_dsv4_ascend.registrations, sglang_dsv4_ascend.device
+        bad = [m for m in sys.modules if m.startswith(("torch_npu", "sglang.srt"))]
+        print(bad)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("mode,expect", [("auto", "cpu"), ("cpu", "cpu"), ("off", None)])
+def test_platform_activation(monkeypatch, mode, expect):
+    from sglang_dsv4_ascend import platforms
+
+    monkeypatch.setenv(platforms.ENV, mode)
+    got = platforms.activate()
+    assert (got == platforms.CPU_PLATFORM) if expect == "cpu" else got is None
+
+
+def test_platform_never_hijacks_an_accelerator(monkeypatch):
+    from sglang_dsv4_ascend import platforms
+
+    monkeypatch.setenv(platforms.ENV, "auto")
+    monkeypatch.setattr(platforms, "_accelerator_present", lambda: "cuda")
+    assert platforms.activate() is None
+    monkeypatch.setattr(platforms, "_accelerator_present", lambda: None)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert platforms.activate() is None
+    monkeypatch.setenv(platforms.ENV, "bogus")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_PLATFORM"):
+        platforms.activate()
+
+
+def _fake_sglang(tmp_path, version):
+    """A dist-info that shadows the installed sglang's metadata, as a wrong install would."""
+    d = tmp_path / f"sglang-{version}.dist-info"
+    d.mkdir()
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return {"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_doctor_reports_supported_install():
+    r = subprocess.run([sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 0 and rep["ok"], rep
+    assert rep["sglang"]["supported"] and rep["sglang"]["version"].startswith("0.5.23")
+    assert rep["device_family"] == "cpu" and rep["platform"].endswith("CpuReferencePlatform")
+    assert rep["imports"]["triton"]["imports"] is True
+    assert rep["imports"]["torch_npu"]["imports"] is False
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.6.0"])
+def test_doctor_and_plugin_refuse_wrong_sglang(tmp_path, version):
+    env = _fake_sglang(tmp_path, version)
+    r = subprocess.run([sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 1 and not rep["ok"]
+    assert rep["sglang"]["version"] == version and rep["sglang"]["supported"] is False
+    assert any("outside sglang>=0.5.23,<0.5.24" in p for p in rep["problems"])
+
+    r = _run("from sglang_dsv4_ascend.plugin import register; register()", env=env)
+    assert r.returncode != 0
+    assert f"installed sglang {version} is outside the supported range sglang>=0.5.23,<0.5.24" in r.stderr
+
+
+def test_hook_signature_mismatch_is_refused():
+    from sglang_dsv4_ascend.compat import Hook, UnsupportedSGLang
+
+    installed = []
+    ok = Hook("probe", "json:dumps", tuple(__import__("inspect").signature(json.dumps).parameters),
+              lambda: installed.append(1))
+    ok.check()
+    bad = Hook("probe", "json:dumps", ("obj",), lambda: installed.append(1))
+    with pytest.raises(UnsupportedSGLang, match="json:dumps has parameters"):
+        bad.check()
+    missing = Hook("probe", "json:nope", (), lambda: None)
+    with pytest.raises(UnsupportedSGLang, match="not found"):
+        missing.check()
