@@ -35,6 +35,11 @@ SPECIAL_TOKENS = [
     "<｜User｜>",
     "<｜Assistant｜>",
     "<｜dspark_noise｜>",  # DSpark's placeholder token for block rows 2..γ
+    # The rest of the DeepSeek-V4 chat vocabulary: SGLang's DSV4 chat encoder (deepseek-recipe)
+    # refuses a tokenizer that lacks any of them.
+    "<think>", "</think>", "<｜System｜>", "<｜latest_reminder｜>", "｜DSML｜", "<｜image｜>",
+    "<｜deepseek_image｜>", "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>",
+    "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>",
 ]
 
 # Built-in training text for the tokenizer: the checkpoint must not depend on files outside the

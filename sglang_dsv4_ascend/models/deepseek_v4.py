@@ -1,0 +1,54 @@
+"""`DeepseekV4ForCausalLM` as SGLang loads it: the plain-torch trunk (dsv4_core) fed by the
+dsv4_ascend backend's per-request segments, with SGLang's LogitsProcessor on top."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config
+from .dsv4_core import DSV4Model
+from .weights import load_released_weights
+
+
+def _weight_files(model_path) -> dict | str | None:
+    """{tensor name: file} from the checkpoint index, so loading errors can name the file."""
+    if not model_path:
+        return None
+    idx = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            return {k: os.path.join(model_path, v) for k, v in json.load(f)["weight_map"].items()}
+    return model_path
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config, quant_config=None, prefix: str = "", **kwargs):
+        super().__init__()
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+
+        if quant_config is not None:
+            raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: quantization {quant_config.get_name()!r} "
+                             "is not supported yet (bf16/fp32 checkpoints only)")
+        self.config = config
+        self.cfg = DSV4Config.from_hf(config)
+        self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype())
+        self.logits_processor = LogitsProcessor(config)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, **kwargs):
+        from sglang.srt.model_executor.forward_context import get_attn_backend
+
+        backend = get_attn_backend()
+        segments = backend.forward_metadata.segments
+        hidden = self.model(input_ids, positions, segments, backend.cache)
+        return self.logits_processor(input_ids, hidden, self.model.head, forward_batch)
+
+    def load_weights(self, weights):
+        source = _weight_files(getattr(self.config, "_name_or_path", None))
+        load_released_weights(self.model, weights, source=source)
+
+
+EntryClass = [DeepseekV4ForCausalLM]
