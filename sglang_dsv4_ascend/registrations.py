@@ -45,16 +45,14 @@ def _install_models():
 
 
 def _install_attention_backend():
-    from sglang.srt.arg_groups.choices import add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
     from .attention_backend.backend import create_dsv4_ascend_backend
 
-    ATTENTION_BACKENDS[BACKEND_NAME] = create_dsv4_ascend_backend
-    from sglang.srt.arg_groups import choices
-
+    register_attention_backend(BACKEND_NAME)(create_dsv4_ascend_backend)
     if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([BACKEND_NAME])
+        choices.add_attention_backend_choices([BACKEND_NAME])
 
 
 def _dsv4_overrides(server_args, hf_config) -> dict:

@@ -76,7 +76,7 @@ class Preset:
     q_lora_rank: int = 32
     o_groups: int = 2
     o_lora_rank: int = 16
-    index_n_heads: int = 4
+    index_n_heads: int = 16  # few heads make the indexer tie often (all ReLUs zero), unlike the real 64
     index_head_dim: int = 32
     index_topk: int = 4
     sliding_window: int = 16

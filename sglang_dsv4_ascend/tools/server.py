@@ -117,7 +117,8 @@ class SGLangServer:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+                body = r.read()
+                return json.loads(body) if body.strip() else {}
         except urllib.error.HTTPError as e:
             raise AssertionError(f"POST {path} -> {e.code}: {e.read()[:2000]!r}\n{self.log_tail(40)}") from e
 

@@ -1,0 +1,17 @@
+import sys
+
+BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache"}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: python -m sglang_dsv4_ascend.bench {{{'|'.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
