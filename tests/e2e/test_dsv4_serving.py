@@ -1,0 +1,100 @@
+"""DeepSeek-V4 served by a real SGLang server with the plugin: greedy output equals HF transformers'
+DeepseekV4ForCausalLM (an independent implementation) token for token, in fp32, for prompts from
+the shared sets, under chunked prefill and concurrency, and an aborted request frees its cache."""
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from prompts import load_prompts
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv4(tmp_path_factory):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("dsv4") / "flash"), "flash", "dspark")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_dsv4):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dsv4)
+    texts = load_prompts("gsm8k", 1) + load_prompts("humaneval", 1) + load_prompts("mt-bench", 1)
+    ids = [tok(t).input_ids[:200] for t in texts]
+    # One prompt long enough to span several 128-token HCA blocks and many 4-token CSA blocks.
+    long = tok(" ".join(load_prompts("gsm8k", 6, max_chars=2000))).input_ids[:300]
+    assert len(long) == 300 and all(len(i) > 20 for i in ids)  # all past the 16-token window
+    return ids + [long]
+
+
+def hf_greedy(model_path, prompts, n):
+    """Greedy continuation by full recomputation each step: no cache, nothing shared with ours."""
+    from transformers import DeepseekV4ForCausalLM
+
+    m = DeepseekV4ForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
+        x, out = torch.tensor([ids]), []
+        with torch.no_grad():
+            for _ in range(n):
+                nxt = int(m(x).logits[0, -1].argmax())
+                out.append(nxt)
+                x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+        outs.append(out)
+    return outs
+
+
+def used_tokens(srv) -> int:
+    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
+        return json.loads(r.read())["loads"][0]["num_used_tokens"]
+
+
+def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids, start_server):
+    expected = hf_greedy(tiny_dsv4, prompt_ids, N_NEW)
+    # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
+    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "64")
+    assert srv.server_info()["attention_backend"] == "dsv4_ascend"
+
+    for ids, want in zip(prompt_ids, expected):
+        assert srv.generate(ids, N_NEW, ignore_eos=True)["output_ids"] == want
+
+    idle = used_tokens(srv)
+    # A long request to abort mid-generation, running beside the concurrent ones.
+    victim = {"input_ids": prompt_ids[0], "rid": "victim",
+              "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
+    victim_result = {}
+
+    def run_victim():
+        victim_result["out"] = srv.post("/generate", victim)
+
+    t = threading.Thread(target=run_victim)
+    t.start()
+    deadline = time.monotonic() + 60
+    while used_tokens(srv) <= idle + len(prompt_ids[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    busy = used_tokens(srv)
+    assert busy > idle, "the victim request never held any cache"
+
+    with ThreadPoolExecutor(len(prompt_ids)) as ex:
+        futs = [ex.submit(srv.generate, ids, N_NEW, ignore_eos=True) for ids in prompt_ids]
+        srv.post("/abort_request", {"rid": "victim"})
+        outs = [f.result()["output_ids"] for f in futs]
+    t.join(timeout=60)
+    assert outs == expected
+    assert victim_result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(victim_result["out"]["output_ids"]) < 4000
+
+    deadline = time.monotonic() + 30
+    while used_tokens(srv) != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_tokens(srv) == idle
