@@ -19,6 +19,14 @@ from torch import nn
 from .. import ops
 from .compressor import Compressor
 
+# How equal index scores are ordered. ReLU makes exact ties (score 0: every head's q·k <= 0) common
+# when there are few indexer heads. "lowest_index" (default): a stable order, earlier entries first,
+# so the selection does not depend on how many entries the forward holds -> chunked prefill, decode
+# and speculative verify select exactly what one full prefill selects. "torch_topk": torch.topk's
+# unspecified, size-dependent order, which is what HF transformers and the official code do; only
+# used to compare with HF bit-for-bit (HF's own cached and uncached paths disagree on ties).
+TIE_BREAK = "lowest_index"
+
 
 class Indexer(nn.Module):
     def __init__(self, cfg, dtype=None, device=None):
@@ -36,6 +44,11 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.n_heads**-0.5
         return q, w
 
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . keys[j]) * c_I^{-1/2}, fp32 [T, n]."""
+        s = F.relu(torch.einsum("thd,jd->thj", q.float(), keys.float())) * self.head_dim**-0.5
+        return (s * w.unsqueeze(-1)).sum(dim=1)
+
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """Top entries per query: (indices [T, k], valid [T, k]) over keys [n, c_I], k = min(topk, n).
 
@@ -45,9 +58,12 @@ class Indexer(nn.Module):
         if n == 0:
             empty = torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
             return empty, empty.bool()
-        scores = F.relu(torch.einsum("thd,jd->thj", q.float(), keys.float())) * self.head_dim**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, n]
+        scores = self.scores(q, w, keys)
         future = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
         scores = scores.masked_fill(future, float("-inf"))
-        idx = scores.topk(min(self.topk, n), dim=-1).indices
+        k = min(self.topk, n)
+        if TIE_BREAK == "torch_topk":
+            idx = scores.topk(k, dim=-1).indices
+        else:
+            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         return idx, idx < visible[:, None]

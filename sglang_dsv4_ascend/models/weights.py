@@ -65,13 +65,13 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> N
                 f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: DSV4Model has no "
                 f"such parameter (config: {model.cfg.num_hidden_layers} layers, ratios {list(model.cfg.compress_ratios)})"
             )
+        if target.is_floating_point() and not tensor.is_floating_point():
+            raise _quant_error(name, tensor.dtype, file)  # packed FP4 experts arrive as int8/uint8
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"tensor {name!r}{_where(name, file)} has shape {tuple(tensor.shape)}, expected "
                 f"{tuple(target.shape)} from the config"
             )
-        if target.is_floating_point() and not tensor.is_floating_point():
-            raise _quant_error(name, tensor.dtype, file)  # packed FP4 experts arrive as int8/uint8
         if name.endswith("tid2eid"):
             _check_tid2eid(name, tensor, model.cfg.n_routed_experts, file)
         with torch.no_grad():
