@@ -8,7 +8,7 @@ and validates eagerly so a bad checkpoint fails at load with the field, the valu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 VALID_RATIOS = (0, 4, 128)
@@ -75,7 +75,6 @@ class DSV4Config:
     dspark_num_experts_per_tok: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: Any = 1
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         _validate(self)
@@ -170,7 +169,7 @@ def _rope_from_dict(d: Mapping, theta: float, dim: int) -> RopeParams:
         beta_slow=float(d.get("beta_slow") or 1),
         truncate=bool(d.get("truncate", True)),
         # V4 forces 1.0 (HF does the same) instead of YaRN's 0.1*ln(factor)+1 magnitude factor.
-        attention_factor=float(d.get("attention_factor", 1.0) if d.get("attention_factor") is not None else 1.0),
+        attention_factor=float(d.get("attention_factor") or 1.0),
     )
 
 
@@ -277,7 +276,7 @@ def _validate(c: DSV4Config) -> None:
         if r != 0:
             raise _bad(f"compress_ratios[{c.num_hidden_layers + i}] (draft layer)", r, "0 (draft layers are SWA-only)")
     if len(c.hash_layers) != c.num_hidden_layers:
-        raise _bad("num_hash_layers", c.num_hash_layers, f"at most num_hidden_layers={c.num_hidden_layers}")
+        raise _bad("hash_layers", c.hash_layers, f"one flag per main layer ({c.num_hidden_layers})")
     if c.index_topk <= 0:
         raise _bad("index_topk", c.index_topk, "a positive integer")
     if c.head_dim % 2 or not (0 < c.qk_rope_head_dim <= c.head_dim) or c.qk_rope_head_dim % 2:

@@ -104,6 +104,7 @@ class DSV4Model(nn.Module):
         h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)
         return self.norm(h)
 
+    @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]."""
         return F.linear(hidden.float(), self.head.weight.float())
