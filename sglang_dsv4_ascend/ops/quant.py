@@ -1,0 +1,378 @@
+"""W8A8 INT8 numerics in plain PyTorch: the definition of the Ascend W8A8 bit rules.
+
+Everything here runs on any torch device and is what the Triton kernels (`ops/triton/quant.py`)
+and the torch_npu calls (`ops/npu.py`) must reproduce. Source of the rules:
+shared/docs/dsv4_reference.md §4.4 / §4.5 (CANN ops-nn golden references, op-plugin docs).
+
+Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fused multiply-add):
+
+* `dynamic_quant` (npu_dynamic_quant): per row m of x [M, K]:
+      x32 = fp32(x) [* fp32(smooth) per column]
+      amax_m = max_k |x32[m, k]|
+      scale_m = amax_m * fp32(1/127)                       (one fp32 multiply)
+      q[m, k] = saturate_int8(round_half_even(x32[m, k] / scale_m))   (IEEE fp32 division)
+  |q| <= 127 except where fp32 rounding of scale_m pushes a quotient just past 127, which
+  saturates. An all-zero row (scale 0, 0/0) gives scale 0 and q 0: a guard of this reference,
+  UNVERIFIED on hardware. Same for a row whose scale underflows to 0.
+* `static_quant` (npu_quantize, div_mode=False, as SGLang's NPUW8A8Int8LinearMethod calls it):
+      recip = P(1 / P(input_scale))      P = the parameter dtype (bf16): both roundings in P
+      off   = P(input_offset)
+      q = saturate_int8(round_half_even(fp32(x) * fp32(recip) + fp32(off)))   (mul, then add)
+  Whether the device fuses the multiply-add (one rounding) is unverified; this reference rounds
+  after the multiply and after the add.
+* `int8_matmul`: acc[m, n] = sum_k int(xq[m, k]) * int(w[n, k]), exact (the device accumulates
+  in int32; |acc| <= K * 2^14, so no int32 overflow for K < 131072 = 2^17).
+* `quant_matmul` (npu_quant_matmul), given acc:
+      int32 bias: acc += bias[n]                            (integer add, BEFORE dequant)
+      per-token path (x_scale given): y = (fp32(acc) * fp32(scale[n])) * x_scale[m]
+      per-channel path:               y = fp32(acc) * fp32(scale[n])
+      float bias: y += fp32(bias[n])                        (AFTER dequant)
+      out = out_dtype(y), round to nearest even
+  fp16 output on the per-channel path with a float scale, and int64 "deq" scales (ModelSlim fp16
+  checkpoints): the scale used is the fp32 pattern masked with 0xFFFFE000 (mantissa truncated to
+  10 bits); documented for fp16 output only, UNVERIFIED on hardware.
+* `grouped_quant_matmul` (npu_grouped_matmul, split_item=2, group_type=0): rows of xq sorted by
+  expert; expert g's rows [a_g, b_g) use w[g], scales[g] and the rows' per-token scales, with the
+  `quant_matmul` per-token rule. Rows past the last group are 0 here (garbage on the device).
+* `swiglu_clamped` (DeepSeek-V4): on [.., 2I] = [gate | up], computed in fp32, one final rounding:
+      h = silu(min(gate, L)) * clamp(up, -L, L)            (gate clamped BEFORE SiLU)
+* `moe_w8a8`: the MoE W8A8 chain
+      route -> dynamic_quant(x) per token -> duplicate/sort rows by expert (stable)
+      -> gmm1 (w13, per-token) in out dtype -> swiglu_clamped -> dynamic_quant (requant)
+      -> gmm2 (w2, per-token) in out dtype -> out[t] = sum_j fp32(w[t, j]) * fp32(y[row(t, j)])
+  The combine sums in fp32 in the order of the sorted rows; the device's finalize may sum in a
+  different order, so compare the combine with a tolerance, everything before it bit for bit.
+
+Choosing an implementation: `kernels(family)` returns a `QuantKernels` bundle for 'reference',
+'triton' or 'npu' (default: `sglang_dsv4_ascend.device.kernel_family()`;
+SGLANG_DSV4_FORCE_REFERENCE=1 forces 'reference'). The bundle owns the weight layout its matmuls
+expect (`prepare_weight`, applied once after loading): 'nk' = the checkpoint's [N, K] for the
+reference and Triton, 'kn' + FRACTAL_NZ for the NPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+INT8_MIN, INT8_MAX = -128, 127
+INV_127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)  # fp32(1/127), the constant the device uses
+
+# |x| <= 128 and |w| <= 128 -> |x*w| <= 2^14. fp32 represents every integer up to 2^24, fp64 up to 2^53.
+_MAX_ABS_PRODUCT = 128 * 128
+FP32_EXACT_MAX_K = (1 << 24) // _MAX_ABS_PRODUCT  # 1024
+FP64_EXACT_MAX_K = (1 << 53) // _MAX_ABS_PRODUCT  # 2^39
+INT32_SAFE_MAX_K = ((1 << 31) - 1) // _MAX_ABS_PRODUCT  # 131071: the device's int32 accumulator
+
+
+def round_half_even(v: torch.Tensor) -> torch.Tensor:
+    """torch.round is round-half-to-even (documented); named so the rule is visible."""
+    return torch.round(v)
+
+
+def saturate_int8(v: torch.Tensor) -> torch.Tensor:
+    return v.clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation quantization
+
+
+def dynamic_quant(x: torch.Tensor, smooth: Optional[torch.Tensor] = None):
+    """Per-token symmetric int8 (npu_dynamic_quant). x [..., K] -> (int8 [..., K], fp32 scale [...]).
+
+    See the module docstring for the bit rule. All-zero rows -> scale 0, q 0 (unverified on hardware)."""
+    x32 = x.float()
+    if smooth is not None:
+        x32 = x32 * smooth.float()
+    amax = x32.abs().amax(dim=-1)
+    scale = amax * INV_127.to(x32.device)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = saturate_int8(round_half_even(x32 / safe.unsqueeze(-1)))
+    q = q.masked_fill((scale == 0).unsqueeze(-1), 0)
+    return q, scale
+
+
+def static_recip_offset(input_scale: torch.Tensor, input_offset: torch.Tensor, param_dtype=torch.bfloat16):
+    """SGLang's load-time transform for static W8A8: (P(1 / P(scale)), P(offset)), P = param dtype."""
+    s = input_scale.to(param_dtype).float()
+    recip = (1.0 / s).to(param_dtype)
+    return recip, input_offset.to(param_dtype)
+
+
+def static_quant(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor,
+                 param_dtype=torch.bfloat16) -> torch.Tensor:
+    """Per-tensor static int8 as SGLang runs it on the NPU (npu_quantize, div_mode=False):
+    q = saturate_int8(round_half_even(fp32(x) * fp32(recip) + fp32(offset))) with
+    recip = P(1 / P(input_scale)), P = the parameter dtype (bf16 for a bf16 model).
+
+    input_scale / input_offset: [1] (per tensor) or [K] (already expanded); offset integer-valued."""
+    recip, off = static_recip_offset(input_scale, input_offset, param_dtype)
+    y = x.float() * recip.float()
+    y = y + off.float()
+    return saturate_int8(round_half_even(y))
+
+
+# ----------------------------------------------------------------------------------------------
+# integer matmul
+
+
+def _fp32_gemm_is_ieee(device: torch.device) -> bool:
+    """fp32 GEMM is exact on integer data only if it really runs in fp32 (no TF32 / bf16 passes)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if device.type == "cuda":
+        return not torch.backends.cuda.matmul.allow_tf32
+    return device.type == "cpu"
+
+
+def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", method: str = "auto") -> torch.Tensor:
+    """Exact integer product of int8 xq [M, K] and int8 weights, as float64 [M, N] holding integers.
+
+    w_layout: 'nk' = w is [N, K] (checkpoint layout, y = xq @ w.T); 'kn' = w is [K, N].
+
+    Why it is exact without an integer GEMM (torch._int_mm is an option, see `method`):
+    every product |x*w| <= 128*128 = 2^14, so any partial sum over at most k terms is an integer of
+    magnitude <= k * 2^14. An IEEE format represents all integers up to 2^(p) (p = 24 for fp32,
+    53 for fp64), so when k * 2^14 <= 2^p every addition, in any order and with or without FMA,
+    produces an exactly representable integer and no rounding ever happens:
+      * fp32 GEMM is exact for K <= 1024 (= 2^24 / 2^14), used when fp32 GEMM is true IEEE fp32;
+      * otherwise fp64 GEMM, exact for K <= 2^39 (asserted).
+    The result is then returned in fp64 (exact for any int32 and beyond).
+
+    method: 'auto' (the above), 'fp64' (always fp64), 'int_mm' (torch._int_mm: int32 accumulation,
+    the device's semantics; exact by definition, but its correctness depends on the backend's
+    kernel, so it is not the default: tests/unit/test_w8a8_ops.py checks it against the oracle)."""
+    if xq.dtype != torch.int8 or w.dtype != torch.int8:
+        raise TypeError(f"int8_matmul takes int8 operands, got {xq.dtype} and {w.dtype}")
+    wk = w if w_layout == "kn" else w.transpose(-2, -1) if w_layout == "nk" else None
+    if wk is None:
+        raise ValueError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
+    K = xq.shape[-1]
+    if wk.shape[-2] != K:
+        raise ValueError(f"int8_matmul: x has K={K} but the weight ({w_layout}) has shape {tuple(w.shape)}")
+    if method == "int_mm":
+        if K > INT32_SAFE_MAX_K:
+            raise ValueError(f"K={K} may overflow an int32 accumulator (max {INT32_SAFE_MAX_K})")
+        return torch._int_mm(xq.contiguous(), wk).double()
+    assert K <= FP64_EXACT_MAX_K, f"K={K} exceeds the fp64 exactness bound {FP64_EXACT_MAX_K}"
+    if method == "auto" and K <= FP32_EXACT_MAX_K and _fp32_gemm_is_ieee(xq.device):
+        return (xq.float() @ wk.float()).double()
+    if method not in ("auto", "fp64"):
+        raise ValueError(f"method must be 'auto', 'fp64' or 'int_mm', got {method!r}")
+    return xq.double() @ wk.double()
+
+
+# ----------------------------------------------------------------------------------------------
+# dequantization (npu_quant_matmul's epilogue)
+
+
+def deq_scale_int64_to_fp32(deq: torch.Tensor) -> torch.Tensor:
+    """ModelSlim fp16-model deq_scale: int64 whose low 32 bits hold an fp32 bit pattern; the
+    device reads it with the mantissa truncated to 10 bits (mask 0xFFFFE000). UNVERIFIED on hardware."""
+    bits = deq.to(torch.int64) & 0xFFFFE000
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)  # low 32 bits, signed
+    return bits.view(torch.float32)
+
+
+def deq_scale_fp32_to_int64(scale: torch.Tensor) -> torch.Tensor:
+    """Inverse storage transform: fp32 -> int64 holding the (untruncated) fp32 bits."""
+    return scale.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _truncate_fp16_deq(scale32: torch.Tensor) -> torch.Tensor:
+    bits = scale32.contiguous().view(torch.int32) & torch.tensor(-8192, dtype=torch.int32)  # 0xFFFFE000
+    return bits.view(torch.float32)
+
+
+def dequant(acc: torch.Tensor, scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+            bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """npu_quant_matmul's epilogue on an exact accumulator (any dtype holding integers, [M, N]).
+
+    scale: [N] or [N, 1] (bf16 / fp32: upcast exactly; int64: ModelSlim deq format);
+    x_scale: fp32 per-token [M] or None; bias: int32 [N] (added to acc) or float [N] (added after)."""
+    acc = acc.double() if acc.dtype != torch.float64 else acc
+    if bias is not None and not bias.is_floating_point():
+        acc = acc + bias.reshape(-1).double()  # exact: integers far below 2^53
+    scale = scale.reshape(-1)
+    if scale.dtype == torch.int64:
+        s32 = deq_scale_int64_to_fp32(scale)
+    else:
+        s32 = scale.float()
+        if out_dtype == torch.float16 and x_scale is None and (bias is None or not bias.is_floating_point()):
+            s32 = _truncate_fp16_deq(s32)
+    y = acc.float() * s32  # fp64 -> fp32 conversion rounds to nearest even, like int32 -> fp32
+    if x_scale is not None:
+        y = y * x_scale.reshape(-1, 1).float()
+    if bias is not None and bias.is_floating_point():
+        y = y + bias.reshape(-1).float()
+    return y.to(out_dtype)
+
+
+def quant_matmul(xq: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, *, w_layout: str = "nk",
+                 method: str = "auto") -> torch.Tensor:
+    """npu_quant_matmul: out_dtype(dequant(exact int product)). xq int8 [M, K]; wq int8 [N, K] ('nk')
+    or [K, N] ('kn'); w_scale [N] (per-token path: the weight scale; static path: deq_scale);
+    x_scale fp32 [M] per-token scale or None; bias int32 (before dequant) or float (after)."""
+    return dequant(int8_matmul(xq, wq, w_layout=w_layout, method=method), w_scale, x_scale, bias, out_dtype)
+
+
+def group_bounds(group_list: torch.Tensor, group_list_type: int) -> list:
+    """[(start, end)] per expert from npu_grouped_matmul's group_list: type 0 = cumulative end
+    offsets, type 1 = per-expert counts."""
+    g = [int(v) for v in group_list.tolist()]
+    if group_list_type == 1:
+        ends, acc = [], 0
+        for c in g:
+            acc += c
+            ends.append(acc)
+    elif group_list_type == 0:
+        ends = g
+    else:
+        raise ValueError(f"group_list_type must be 0 (cumsum) or 1 (counts), got {group_list_type}")
+    bounds, start = [], 0
+    for e in ends:
+        if e < start:
+            raise ValueError(f"group_list must be non-decreasing cumulative ends, got {g}")
+        bounds.append((start, e))
+        start = e
+    return bounds
+
+
+def grouped_quant_matmul(xq: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, per_token: torch.Tensor,
+                         group_list: torch.Tensor, group_list_type: int = 0, out_dtype=torch.bfloat16, *,
+                         w_layout: str = "nk", method: str = "auto") -> torch.Tensor:
+    """npu_grouped_matmul (int8, per-token, single output): xq int8 [M, K] sorted by expert;
+    w int8 [E, N, K] ('nk') or [E, K, N] ('kn'); scales [E, N] (or [E, N, 1]); per_token fp32 [M].
+    Rows past the last group are 0 (the device leaves them unwritten)."""
+    E = w.shape[0]
+    N = w.shape[1] if w_layout == "nk" else w.shape[2]
+    bounds = group_bounds(group_list, group_list_type)
+    if len(bounds) != E:
+        raise ValueError(f"group_list has {len(bounds)} groups for {E} experts")
+    if bounds and bounds[-1][1] > xq.shape[0]:
+        raise ValueError(f"group_list covers {bounds[-1][1]} rows but xq has {xq.shape[0]}")
+    out = torch.zeros(xq.shape[0], N, dtype=out_dtype, device=xq.device)
+    for g, (a, b) in enumerate(bounds):
+        if b > a:
+            out[a:b] = quant_matmul(xq[a:b], w[g], scales[g], per_token[a:b], None, out_dtype,
+                                    w_layout=w_layout, method=method)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE W8A8 chain
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, out_dtype=None) -> torch.Tensor:
+    """DeepSeek-V4 SwiGLU on [..., 2I] = [gate | up] in fp32, rounded once to out_dtype (default:
+    the input dtype): h = silu(min(gate, L)) * clamp(up, -L, L). limit <= 0 disables the clamp.
+    (SGLang's NPUSwigluStepAndMul clamps after SiLU and its int8 MoE path not at all: §4.2.)"""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    return (F.silu(g) * u).to(out_dtype or gate_up.dtype)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Token duplication + stable sort by expert (npu_moe_init_routing): returns
+    (rows [T*k] token index of each sorted row, order [T*k] flat (token, slot) index, counts [E])."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    k = topk_ids.shape[-1]
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order // k, order, counts
+
+
+def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+             w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
+             out_dtype=None, ops: "QuantKernels | None" = None) -> torch.Tensor:
+    """The routed-expert W8A8 chain (module docstring). x [T, d]; topk_ids/weights [T, k];
+    w13 [E, 2I, d] (gate rows first), w2 [E, d, I] in the `ops` bundle's weight layout;
+    scales [E, 2I] / [E, d]. Returns fp32 [T, d] (the caller adds the shared expert and casts)."""
+    ops = ops or kernels("reference")
+    out_dtype = out_dtype or x.dtype
+    E = w13.shape[0]
+    xq, xs = ops.dynamic_quant(x)
+    rows, order, counts = sort_by_expert(topk_ids, E)
+    group_list = torch.cumsum(counts, 0)
+    h = ops.grouped_quant_matmul(xq[rows], w13, w13_scale, xs[rows], group_list, 0, out_dtype)
+    a = swiglu_clamped(h, limit, out_dtype)
+    aq, a_s = ops.dynamic_quant(a)
+    y = ops.grouped_quant_matmul(aq, w2, w2_scale, a_s, group_list, 0, out_dtype)
+    out = torch.zeros(x.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
+    w = topk_weights.reshape(-1)[order].float()
+    out.index_add_(0, rows, y.float() * w[:, None])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# implementation families
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """One implementation family's W8A8 ops. `weight_layout` is what `prepare_weight` produces and
+    what `quant_matmul` / `grouped_quant_matmul` expect ('nk' or 'kn'); modules call
+    `prepare_weight` once after loading the checkpoint's [.., N, K] int8 weights."""
+
+    family: str
+    weight_layout: str
+    prepare_weight: Callable
+    dynamic_quant: Callable
+    static_quant: Callable
+    quant_matmul: Callable  # (xq, w, w_scale, x_scale=None, bias=None, out_dtype=bf16)
+    grouped_quant_matmul: Callable  # (xq, w, scales, per_token, group_list, group_list_type, out_dtype)
+
+
+def _reference_kernels() -> QuantKernels:
+    return QuantKernels("reference", "nk", lambda w: w.contiguous(), dynamic_quant, static_quant,
+                        quant_matmul, grouped_quant_matmul)
+
+
+def _triton_kernels() -> QuantKernels:
+    from .triton import quant as tq
+
+    return QuantKernels("triton", "nk", lambda w: w.contiguous(), tq.dynamic_quant, static_quant,
+                        tq.quant_matmul, grouped_quant_matmul)
+
+
+def _npu_kernels() -> QuantKernels:
+    from . import npu
+
+    return QuantKernels("npu", "kn", npu.prepare_weight, npu.dynamic_quant, npu.static_quant,
+                        npu.quant_matmul, npu.grouped_quant_matmul)
+
+
+_FAMILIES = {"reference": _reference_kernels, "triton": _triton_kernels, "npu": _npu_kernels}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_cached(family: str) -> QuantKernels:
+    return _FAMILIES[family]()
+
+
+def kernels(family: Optional[str] = None) -> QuantKernels:
+    """The W8A8 op bundle for `family` ('reference' | 'triton' | 'npu'); None = the process's
+    `device.kernel_family()` (SGLANG_DSV4_FORCE_REFERENCE=1 -> 'reference')."""
+    if family is None:
+        from ..device import kernel_family
+
+        family = kernel_family()
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_FAMILIES)}")
+    return _kernels_cached(family)
+
+
+__all__ = [
+    "QuantKernels", "dequant", "deq_scale_fp32_to_int64", "deq_scale_int64_to_fp32", "dynamic_quant",
+    "group_bounds", "grouped_quant_matmul", "int8_matmul", "kernels", "moe_w8a8", "quant_matmul",
+    "round_half_even", "saturate_int8", "sort_by_expert", "static_quant", "static_recip_offset",
+    "swiglu_clamped",
+]
