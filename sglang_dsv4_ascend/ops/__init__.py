@@ -1,24 +1,19 @@
 """Single import point for the DeepSeek-V4 hot ops.
 
-Model code imports ops from here (`from sglang_dsv4_ascend.ops import rms_norm`), never from an
-implementation module, so a device dispatch can later rebind these names to fused kernels. Today
-every name is the plain-torch reference in `ops/reference.py`.
+Model code imports ops from here (`from sglang_dsv4_ascend import ops; ops.rms_norm(...)`), never
+from an implementation module. Each name is bound once, at import, to the implementation of the
+kernel family `device.kernel_family()` picks: the plain-torch reference (`reference.py`, the
+definition, CPU and `SGLANG_DSV4_FORCE_REFERENCE=1`), Triton kernels on CUDA (`triton/`), or
+torch_npu calls on Ascend (`npu.py`). Ops without a faster implementation for the active family
+stay the reference.
 """
 
-from .reference import (
-    apply_rope,
-    mhc_mix,
-    mhc_weights,
-    rms_norm,
-    rope_cos_sin,
-    sinkhorn,
-    softmax_pool,
-    sparse_attention_with_sink,
-    sqrtsoftplus,
-    swiglu_clamped,
-)
+from __future__ import annotations
 
-__all__ = [
+from .. import device
+from . import reference
+
+_NAMES = (
     "apply_rope",
     "mhc_mix",
     "mhc_weights",
@@ -29,4 +24,21 @@ __all__ = [
     "sparse_attention_with_sink",
     "sqrtsoftplus",
     "swiglu_clamped",
-]
+)
+
+
+def _faster(family: str) -> dict:
+    """{op name: implementation} that replace the reference for `family` (imported lazily)."""
+    if family == "triton":
+        from .triton.sparse_attention import sparse_attention_with_sink
+
+        return {"sparse_attention_with_sink": sparse_attention_with_sink}
+    return {}
+
+
+KERNEL_FAMILY = device.kernel_family()
+IMPLEMENTATIONS = {name: getattr(reference, name) for name in _NAMES}
+IMPLEMENTATIONS.update(_faster(KERNEL_FAMILY))
+globals().update(IMPLEMENTATIONS)
+
+__all__ = list(_NAMES)

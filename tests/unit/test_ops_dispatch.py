@@ -1,0 +1,34 @@
+"""`ops` binds each hot op once per process to the family `device.kernel_family()` picks, and
+SGLANG_DSV4_FORCE_REFERENCE=1 forces the plain-torch reference everywhere."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def _bound(env, family=None):
+    code = textwrap.dedent(f"""
+        from sglang_dsv4_ascend import device
+        if {family!r} is not None:
+            device.device_family.cache_clear()
+            device.device_family = lambda: {family!r}
+        from sglang_dsv4_ascend import ops
+        print(ops.KERNEL_FAMILY, ops.sparse_attention_with_sink.__module__, ops.rms_norm.__module__)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_cpu_uses_reference():
+    fam, attn, norm = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"})
+    assert fam == "reference" and attn.endswith("ops.reference") and norm.endswith("ops.reference")
+
+
+def test_cuda_binds_triton_kernel_and_force_reference_undoes_it():
+    fam, attn, norm = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="cuda")
+    assert fam == "triton" and attn.endswith("ops.triton.sparse_attention") and norm.endswith("ops.reference")
+    fam, attn, _ = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "1"}, family="cuda")
+    assert fam == "reference" and attn.endswith("ops.reference")
