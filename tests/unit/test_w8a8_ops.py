@@ -1,0 +1,450 @@
+"""W8A8 ops (ops/quant.py reference, ops/triton/quant.py under the interpreter) against the
+independent oracle in tests/oracles/w8a8_oracle.py, bit for bit.
+
+Each adversarial input is paired with a deliberately broken variant of the rule it targets
+(round half away from zero, dequant in bf16, int32 bias after dequant, other multiply order, fp32
+GEMM past its exactness bound, clamp after SiLU): the broken variant must disagree with the oracle
+on that input, which proves the input can tell a right implementation from a wrong one."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from oracles import w8a8_oracle as O
+from sglang_dsv4_ascend.ops import quant as Q
+
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _np(t):
+    return t.detach().float().numpy() if t.is_floating_point() else t.detach().numpy()
+
+
+def _bits(t_bf16):
+    return t_bf16.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _assert_dynamic_matches(x, smooth=None):
+    q, s = Q.dynamic_quant(x, smooth)
+    oq, os_ = O.dynamic_quant(_np(x), None if smooth is None else _np(smooth))
+    np.testing.assert_array_equal(q.numpy().astype(np.int64), oq)
+    np.testing.assert_array_equal(s.numpy().view(np.uint32), os_.view(np.uint32))
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+
+
+def tie_rows(n_rows=4, K=256, seed=0):
+    """bf16 rows whose amax is 127 (scale = 127 * fp32(1/127) = 1.0 exactly), so x / scale = x and
+    every k + 0.5 in the row is an exact tie."""
+    assert float(torch.tensor(127.0) * Q.INV_127) == 1.0
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-126, 126, (n_rows, K), generator=g).float()
+    x = k + 0.5
+    x[:, 0] = 127.0  # amax
+    return x.bfloat16()
+
+
+def near_tie_row(amax=3.7, K=2048):
+    """fp32 row with a non-trivial scale whose quotients x / scale land on or 1-2 ulps around
+    k + 0.5: where dividing and multiplying by the reciprocal can round to different integers."""
+    a = np.float32(amax)
+    s = np.float32(a * (np.float32(1) / np.float32(127)))
+    vals = [a]
+    for k in range(-126, 126):
+        x0 = np.float32((k + 0.5) * s)
+        for _ in range(2):
+            vals.append(x0)
+            x0 = np.nextafter(x0, np.float32(np.inf), dtype=np.float32)
+        vals.append(np.nextafter(np.float32((k + 0.5) * s), np.float32(-np.inf), dtype=np.float32))
+    vals = np.array(vals[:K], dtype=np.float32)
+    return torch.from_numpy(vals)[None, :]
+
+
+def adversarial_rows():
+    """Zero rows, a huge/tiny mixed row, negative ties, a single-element row pattern."""
+    x = torch.randn(6, 96) * 3
+    x[1] = 0.0
+    x[2, :] = 1e-30
+    x[2, 5] = 1e30
+    x[3] = -x[3].abs()
+    x[4] = torch.linspace(-1, 1, 96)
+    x[5] = 0.0
+    x[5, 7] = -2.0
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# dynamic quant
+
+
+def test_dynamic_quant_random_bf16_fp32_fp16():
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        x = (torch.randn(64, 300, generator=g) * 5).to(dt)
+        _assert_dynamic_matches(x)
+
+
+def test_dynamic_quant_smooth_scales():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 128, generator=g).bfloat16()
+    smooth = torch.rand(128, generator=g) + 0.25
+    _assert_dynamic_matches(x, smooth)
+
+
+def test_dynamic_quant_ties_round_half_even_and_broken_variant_is_caught():
+    x = tie_rows()
+    q, s = _assert_dynamic_matches(x)
+    assert torch.all(s == 1.0)
+    ties = (x.float() - x.float().floor()) == 0.5
+    assert int(ties.sum()) > 500, "the input must contain many exact ties"
+    # Broken: round half away from zero.
+    v = x.float() / s[:, None]
+    broken = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-128, 127).to(torch.int8)
+    assert not np.array_equal(broken.numpy().astype(np.int64), O.dynamic_quant(_np(x))[0])
+    # Broken: multiply by the reciprocal instead of dividing (differs on near-tie quotients).
+    xr = near_tie_row()
+    _assert_dynamic_matches(xr)
+    _, sr = Q.dynamic_quant(xr)
+    mul = torch.round(xr * (1.0 / sr)[:, None]).clamp(-128, 127).to(torch.int8)
+    assert not np.array_equal(mul.numpy().astype(np.int64), O.dynamic_quant(_np(xr))[0])
+
+
+def test_dynamic_quant_zero_and_extreme_rows():
+    q, s = _assert_dynamic_matches(adversarial_rows())
+    assert s[1] == 0 and torch.all(q[1] == 0)  # documented guard (unverified on hardware)
+    assert q[2, 5] == 127 and torch.all(q[2, :5] == 0)
+    assert q[5, 7] == -127 and int(q[5].abs().sum()) == 127
+    assert int(q.min()) >= -127  # dynamic quant never reaches -128
+
+
+@HYP
+@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=40),
+                  elements=st.floats(-1e4, 1e4, width=32)))
+def test_dynamic_quant_property(x):
+    _assert_dynamic_matches(torch.from_numpy(x.copy()))
+
+
+# ------------------------------------------------------------------------------------------------
+# static quant (SGLang: recip = bf16(1 / bf16(scale)), npu_quantize div_mode=False)
+
+
+def test_static_quant_matches_oracle_with_saturation_and_offset():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(32, 200, generator=g) * 4).bfloat16()
+    x[0, :10] = 1e4  # saturates at 127
+    x[1, :10] = -1e4  # saturates at -128
+    for scale, offset in [(0.03, 0.0), (0.0173, -7.0), (0.11, 12.0), (1 / 127, 0.0)]:
+        q = Q.static_quant(x, torch.tensor([scale]), torch.tensor([offset]))
+        np.testing.assert_array_equal(q.numpy().astype(np.int64), O.static_quant(_np(x), scale, offset))
+        assert int(q.max()) == 127 and int(q.min()) == -128
+    # Broken: exact fp32 reciprocal instead of SGLang's bf16-rounded one must differ.
+    scale = 0.0173
+    broken = torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8)
+    assert not np.array_equal(broken.numpy().astype(np.int64), O.static_quant(_np(x), scale, 0.0))
+
+
+@HYP
+@given(hnp.arrays(np.float32, (3, 17), elements=st.floats(-50, 50, width=32)),
+       st.floats(0.0009765625, 1.0, width=32), st.integers(-20, 20))
+def test_static_quant_property(x, scale, offset):
+    q = Q.static_quant(torch.from_numpy(x.copy()), torch.tensor([scale]), torch.tensor([float(offset)]))
+    np.testing.assert_array_equal(q.numpy().astype(np.int64), O.static_quant(x, scale, offset))
+
+
+# ------------------------------------------------------------------------------------------------
+# int8 matmul
+
+
+def _rand_i8(shape, seed):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("K", [1, 7, 256, 1024, 1025, 4096])
+def test_int8_matmul_exact_random(K):
+    x, w = _rand_i8((9, K), K), _rand_i8((13, K), K + 1)
+    acc = Q.int8_matmul(x, w)
+    np.testing.assert_array_equal(acc.numpy().astype(np.int64), O.int_matmul(x.numpy(), w.numpy()))
+    acc_kn = Q.int8_matmul(x, w.t().contiguous(), w_layout="kn")
+    assert torch.equal(acc, acc_kn)
+
+
+def _exactness_adversary(K):
+    """Extremes that an inexact accumulation gets wrong: x[0] = 127 against w[0] = [127]*(K-16) +
+    [1]*16 (partial sums pass 2^24, then odd terms arrive); x[2] = [-128]*(K-1) + [127] against
+    w[4] = [-128]*(K-1) + [1] (2^14 (K-1) + 127: odd and > 2^24 from K = 1025 on, so no fp32 sum
+    can hold it); x[1] = -128 against w[3] = -128 (|acc| = K 2^14, exactly 2^24 at K = 1024)."""
+    x = torch.full((3, K), 127, dtype=torch.int8)
+    x[1] = -128
+    x[2] = -128
+    x[2, -1] = 127
+    w = torch.full((5, K), 127, dtype=torch.int8)
+    w[:, -16:] = 1
+    w[1] = -128
+    w[1, -16:] = -1
+    w[2, -5:] = -127
+    w[3] = -128
+    w[4] = -128
+    w[4, -1] = 1
+    return x, w
+
+
+@pytest.mark.parametrize("K", [1024, 1025, 4096, 16384, 65536])
+def test_int8_matmul_exact_at_and_past_the_fp32_bound(K):
+    x, w = _exactness_adversary(K)
+    exact = O.int_matmul(x.numpy(), w.numpy())
+    assert np.abs(exact).max() == K * 128 * 128  # == 2^24 at the fp32 bound K = 1024
+    np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), exact)
+    np.testing.assert_array_equal(Q.int8_matmul(x, w, method="fp64").numpy().astype(np.int64), exact)
+    if K > Q.FP32_EXACT_MAX_K:
+        # Broken: an fp32 GEMM past its bound rounds.
+        broken = (x.float() @ w.float().t()).double()
+        assert not np.array_equal(broken.numpy().astype(np.int64), exact)
+
+
+@pytest.mark.parametrize("K", [64, 1024, 4096, 65536])
+def test_torch_int_mm_option_is_exact_here(K):
+    """`method='int_mm'` (torch._int_mm) is not the default: check it on this machine's backend,
+    including the u8*s8 pair-sum pattern that saturates int16 in some non-VNNI int8 kernels."""
+    x, w = _exactness_adversary(K)
+    x = torch.cat([x, _rand_i8((20, K), 7)])
+    exact = O.int_matmul(x.numpy(), w.numpy())
+    np.testing.assert_array_equal(Q.int8_matmul(x, w, method="int_mm").numpy().astype(np.int64), exact)
+
+
+@HYP
+@given(st.integers(1, 5), st.integers(1, 70), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_int8_matmul_property(M, K, N, seed):
+    x, w = _rand_i8((M, K), seed), _rand_i8((N, K), seed + 1)
+    np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), O.int_matmul(x.numpy(), w.numpy()))
+
+
+# ------------------------------------------------------------------------------------------------
+# quant_matmul (dequant epilogue)
+
+
+def _qm_inputs(seed=5, M=24, K=512, N=48):
+    g = torch.Generator().manual_seed(seed)
+    xq, xs = Q.dynamic_quant(torch.randn(M, K, generator=g) * 2)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    w_scale = (torch.rand(N, generator=g) * 0.02 + 1e-3).bfloat16()  # stored bf16 as SGLang does
+    return xq, xs, w, w_scale
+
+
+def test_quant_matmul_per_token_bf16_bits_and_broken_variants():
+    xq, xs, w, ws = _qm_inputs()
+    out = Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.bfloat16)
+    acc = O.int_matmul(xq.numpy(), w.numpy())
+    want = O.dequant(acc, _np(ws), _np(xs))
+    np.testing.assert_array_equal(_bits(out), want)
+    # Broken: dequant in bf16.
+    b_bf16 = (torch.from_numpy(acc).bfloat16() * ws[None, :] * xs[:, None].bfloat16())
+    assert not np.array_equal(_bits(b_bf16), want)
+    # Broken: other multiply order acc * (scale * token), caught on fp32 output.
+    want32 = O.dequant(acc, _np(ws), _np(xs), out="fp32")
+    out32 = Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.float32)
+    np.testing.assert_array_equal(out32.numpy().view(np.uint32), want32.view(np.uint32))
+    other = torch.from_numpy(acc).float() * (ws.float()[None, :] * xs[:, None])
+    assert not np.array_equal(other.numpy().view(np.uint32), want32.view(np.uint32))
+
+
+def test_quant_matmul_int32_bias_before_dequant_float_bias_after():
+    xq, _, w, _ = _qm_inputs(6)
+    deq = torch.rand(w.shape[0]) * 1e-4 + 1e-6  # static path: deq_scale fp32, no per-token scale
+    ib = torch.randint(-30000, 30000, (w.shape[0],), dtype=torch.int32)
+    acc = O.int_matmul(xq.numpy(), w.numpy())
+    want = O.dequant(acc, _np(deq), None, ib.numpy())
+    np.testing.assert_array_equal(_bits(Q.quant_matmul(xq, w, deq, None, ib)), want)
+    # Broken: int32 bias added after dequant.
+    after = (torch.from_numpy(acc).float() * deq + ib.float()).bfloat16()
+    assert not np.array_equal(_bits(after), want)
+    fb = torch.randn(w.shape[0])
+    want_f = O.dequant(acc, _np(deq), None, fb.numpy())
+    np.testing.assert_array_equal(_bits(Q.quant_matmul(xq, w, deq, None, fb)), want_f)
+
+
+def test_deq_scale_int64_round_trip_and_fp16_truncation():
+    s = torch.tensor([1e-3, 3.7e-5, 0.25, 1.0000001])
+    packed = Q.deq_scale_fp32_to_int64(s)
+    assert packed.dtype == torch.int64 and torch.all(packed >= 0)
+    got = Q.deq_scale_int64_to_fp32(packed)
+    want = (s.view(torch.int32) & -8192).view(torch.float32)
+    assert torch.equal(got, want)
+    assert got[2] == 0.25 and got[3] == 1.0  # truncation toward zero of the mantissa
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped matmul and the MoE chain
+
+
+def _grouped_inputs(seed=8, E=5, K=96, N=40, counts=(3, 0, 7, 1, 4)):
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts) + 2  # two trailing rows outside every group
+    xq, xs = Q.dynamic_quant(torch.randn(M, K, generator=g))
+    w = torch.randint(-128, 128, (E, N, K), dtype=torch.int8, generator=g)
+    sc = torch.rand(E, N, generator=g) * 0.01
+    return xq, xs, w, sc, list(counts)
+
+
+def test_grouped_matmul_equals_per_expert_loop_both_group_list_types():
+    xq, xs, w, sc, counts = _grouped_inputs()
+    want = O.grouped(xq.numpy(), w.numpy(), _np(sc), _np(xs), counts)
+    cum = torch.tensor(np.cumsum(counts))
+    a = Q.grouped_quant_matmul(xq, w, sc, xs, cum, 0)
+    b = Q.grouped_quant_matmul(xq, w, sc, xs, torch.tensor(counts), 1)
+    c = Q.grouped_quant_matmul(xq, w.transpose(1, 2).contiguous(), sc, xs, cum, 0, w_layout="kn")
+    np.testing.assert_array_equal(_bits(a), want)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.all(a[sum(counts):] == 0)
+
+
+def test_swiglu_clamp_before_silu_and_broken_variant():
+    gu = torch.tensor([[12.0, -30.0, 3.0, 0.5, 15.0, -12.0, 2.0, 11.0]])
+    L = 10.0
+    got = Q.swiglu_clamped(gu, L)
+    want = O.swiglu_clamped_f32(gu.numpy(), L, lambda v: F.silu(torch.from_numpy(v)).numpy())
+    np.testing.assert_array_equal(got.numpy(), want)
+    g, u = gu.chunk(2, -1)
+    after = (F.silu(g).clamp(max=L) * u.clamp(-L, L))  # SGLang NPUSwigluStepAndMul order
+    assert not torch.equal(after, got)
+    assert torch.equal(Q.swiglu_clamped(gu, 0.0), F.silu(g) * u)
+
+
+def _moe_inputs(k, seed=9, T=7, d=64, I=32, E=4):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, d, generator=g) * 3).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    w13 = torch.randint(-128, 128, (E, 2 * I, d), dtype=torch.int8, generator=g)
+    w2 = torch.randint(-128, 128, (E, d, I), dtype=torch.int8, generator=g)
+    s13 = torch.rand(E, 2 * I, generator=g) * 1e-2  # gate/up reach beyond the clamp limit 10
+    s2 = torch.rand(E, d, generator=g) * 1e-3
+    return x, ids, wts, w13, s13, w2, s2
+
+
+def _silu32(v):
+    return F.silu(torch.from_numpy(np.ascontiguousarray(v))).numpy()
+
+
+def test_moe_chain_bit_exact_up_to_the_combine():
+    """k = 1 and weight 1: the combine adds one exact term, so the whole chain (quant, gmm1, bf16,
+    clamped SwiGLU, requant, gmm2) is compared bit for bit."""
+    x, ids, _, w13, s13, w2, s2 = _moe_inputs(k=1)
+    ones = torch.ones(ids.shape)
+    got = Q.moe_w8a8(x, ids, ones, w13, s13, w2, s2, limit=10.0)
+    per, _ = O.moe_chain(_np(x), ids.numpy(), _np(ones), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), per[:, 0].view(np.uint32))
+    xq, xs = Q.dynamic_quant(x)
+    h = torch.stack([Q.quant_matmul(xq[t:t + 1], w13[e], s13[e], xs[t:t + 1])[0] for t, e in enumerate(ids[:, 0])])
+    assert (h[:, :32] > 10).any() and (h[:, 32:].abs() > 10).any(), "gate and up must cross the limit"
+    # Broken: without the clamp, or with the gate clamped after SiLU (and up unclamped), the chain differs.
+    assert not torch.equal(Q.moe_w8a8(x, ids, ones, w13, s13, w2, s2, limit=0.0), got)
+    clamp_after = lambda v: np.minimum(_silu32(v), np.float32(10.0))  # noqa: E731
+    per_after, _ = O.moe_chain(_np(x), ids.numpy(), _np(ones), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 0.0,
+                               lambda v: clamp_after(v))
+    assert not np.array_equal(per_after[:, 0], per[:, 0])
+
+
+def test_moe_chain_weighted_combine():
+    x, ids, wts, w13, s13, w2, s2 = _moe_inputs(k=2)
+    got = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, limit=10.0).numpy().astype(np.float64)
+    per, want = O.moe_chain(_np(x), ids.numpy(), _np(wts), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
+    # fp32 products and sums in some order vs the float64 oracle: |err| <= 2k u sum_j |w_j y_j|, u = 2^-24.
+    mag = (np.abs(_np(wts))[:, :, None].astype(np.float64) * np.abs(per)).sum(1)
+    assert np.all(np.abs(got - want) <= 2 * 2 * 2.0 ** -24 * mag)
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_kernels_dispatch_and_force_reference(monkeypatch):
+    assert Q.kernels("reference").dynamic_quant is Q.dynamic_quant
+    monkeypatch.setenv("SGLANG_DSV4_FORCE_REFERENCE", "1")
+    assert Q.kernels().family == "reference"
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        Q.kernels("tpu")
+
+
+def test_npu_module_imports_without_torch_npu():
+    import importlib.util
+
+    from sglang_dsv4_ascend.ops import npu
+
+    assert "torch_npu" not in sys.modules
+    if importlib.util.find_spec("torch_npu") is None:
+        with pytest.raises(ImportError):
+            npu.dynamic_quant(torch.zeros(1, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton under the interpreter (TRITON_INTERPRET is read when triton is imported: subprocess)
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from sglang_dsv4_ascend.ops.triton import quant as T
+    sys.path[:0] = [sys.argv[2], sys.argv[3]]
+    from test_w8a8_ops import tie_rows, adversarial_rows, _qm_inputs, _grouped_inputs
+    out = {}
+    g = torch.Generator().manual_seed(11)
+    xs = {"ties": tie_rows(), "adv": adversarial_rows(), "bf16": (torch.randn(40, 1500, generator=g) * 4).bfloat16(),
+          "fp16": torch.randn(5, 33, generator=g).half(), "fp32": torch.randn(3, 4100, generator=g)}
+    for name, x in xs.items():
+        out["dq_" + name] = (x, *T.dynamic_quant(x))
+    smooth = torch.rand(1500, generator=g) + 0.5
+    out["dq_smooth"] = (xs["bf16"], smooth, *T.dynamic_quant(xs["bf16"], smooth))
+    xq, x_s, w, ws = _qm_inputs()
+    out["qm_tok_bf16"] = T.quant_matmul(xq, w, ws, x_s, out_dtype=torch.bfloat16)
+    out["qm_tok_fp32"] = T.quant_matmul(xq, w, ws, x_s, out_dtype=torch.float32)
+    deq = torch.rand(w.shape[0], generator=g) * 1e-4
+    ib = torch.randint(-30000, 30000, (w.shape[0],), dtype=torch.int32, generator=g)
+    out["qm_static"] = (deq, ib, T.quant_matmul(xq, w, deq, None, ib, out_dtype=torch.bfloat16))
+    out["qm_kn"] = T.quant_matmul(xq, w.t().contiguous(), ws, x_s, w_layout="kn")
+    torch.save(out, sys.argv[1])
+""")
+
+
+@pytest.fixture(scope="module")
+def triton_outputs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("triton") / "out.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(path), here, os.path.dirname(here)],
+                       capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(path)
+
+
+def test_triton_dynamic_quant_bit_equal_under_interpreter(triton_outputs):
+    for name in ("ties", "adv", "bf16", "fp16", "fp32"):
+        x, q, s = triton_outputs["dq_" + name]
+        rq, rs = Q.dynamic_quant(x)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.int32), rs.view(torch.int32)), name
+        oq, _ = O.dynamic_quant(_np(x))
+        np.testing.assert_array_equal(q.numpy().astype(np.int64), oq)
+    x, smooth, q, s = triton_outputs["dq_smooth"]
+    rq, rs = Q.dynamic_quant(x, smooth)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+
+
+def test_triton_quant_matmul_bit_equal_under_interpreter(triton_outputs):
+    xq, xs, w, ws = _qm_inputs()
+    assert torch.equal(triton_outputs["qm_tok_bf16"].view(torch.int16),
+                       Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.bfloat16).view(torch.int16))
+    assert torch.equal(triton_outputs["qm_tok_fp32"].view(torch.int32),
+                       Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.float32).view(torch.int32))
+    deq, ib, got = triton_outputs["qm_static"]
+    assert torch.equal(got.view(torch.int16), Q.quant_matmul(xq, w, deq, None, ib).view(torch.int16))
+    assert torch.equal(triton_outputs["qm_kn"], Q.quant_matmul(xq, w, ws, xs))
