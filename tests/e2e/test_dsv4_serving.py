@@ -3,6 +3,7 @@ DeepseekV4ForCausalLM (an independent implementation) token for token, in fp32, 
 the shared sets, under chunked prefill and concurrency, and an aborted request frees its cache."""
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -62,7 +63,8 @@ def used_tokens(srv) -> int:
 def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids, start_server):
     expected = hf_greedy(tiny_dsv4, prompt_ids, N_NEW)
     # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
-    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "64")
+    # Mixed chunks: decode tokens of running requests ride along with prefill chunks (MIXED mode).
+    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "64", "--enable-mixed-chunk")
     assert srv.server_info()["attention_backend"] == "dsv4_ascend"
 
     for ids, want in zip(prompt_ids, expected):
@@ -91,6 +93,8 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
         outs = [f.result()["output_ids"] for f in futs]
     t.join(timeout=60)
     assert outs == expected
+    # Prefill chunks ran while other requests were decoding (merged into MIXED batches).
+    assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_text())
     assert victim_result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(victim_result["out"]["output_ids"]) < 4000
 
