@@ -65,7 +65,11 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
     # Mixed chunks: decode tokens of running requests ride along with prefill chunks (MIXED mode).
     srv = start_server(tiny_dsv4, "--chunked-prefill-size", "64", "--enable-mixed-chunk")
-    assert srv.server_info()["attention_backend"] == "dsv4_ascend"
+    info = srv.server_info()
+    assert info["attention_backend"] == "dsv4_ascend"
+    # Prefix cache is switched off for DSV4, and the log says why.
+    assert info["disable_radix_cache"] is True
+    assert "radix (prefix) cache disabled for DeepSeek-V4" in srv.log_text()
 
     for ids, want in zip(prompt_ids, expected):
         assert srv.generate(ids, N_NEW, ignore_eos=True)["output_ids"] == want
