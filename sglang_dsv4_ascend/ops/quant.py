@@ -21,7 +21,9 @@ Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fuse
   Whether the device fuses the multiply-add (one rounding) is unverified; this reference rounds
   after the multiply and after the add.
 * `int8_matmul`: acc[m, n] = sum_k int(xq[m, k]) * int(w[n, k]), exact (the device accumulates
-  in int32; |acc| <= K * 2^14, so no int32 overflow for K < 131072 = 2^17).
+  in int32; |acc| <= K * 2^14, so no int32 overflow for K < 131072 = 2^17). Computed with
+  torch._int_mm where a self-check passes, else an fp32/fp64 GEMM whose exactness is argued in
+  `int8_matmul`'s docstring.
 * `quant_matmul` (npu_quant_matmul), given acc:
       int32 bias: acc += bias[n]                            (integer add, BEFORE dequant)
       per-token path (x_scale given): y = (fp32(acc) * fp32(scale[n])) * x_scale[m]
@@ -67,6 +69,9 @@ _MAX_ABS_PRODUCT = 128 * 128
 FP32_EXACT_MAX_K = (1 << 24) // _MAX_ABS_PRODUCT  # 1024
 FP64_EXACT_MAX_K = (1 << 53) // _MAX_ABS_PRODUCT  # 2^39
 INT32_SAFE_MAX_K = ((1 << 31) - 1) // _MAX_ABS_PRODUCT  # 131071: the device's int32 accumulator
+# torch 2.14's CPU torch._int_mm returns uninitialized memory for K == 1 (N >= 2), found by
+# tests/unit/test_w8a8_ops.py; shorter K stays on the float path, where int_mm gains nothing anyway.
+INT_MM_MIN_K = 16
 
 
 def round_half_even(v: torch.Tensor) -> torch.Tensor:
@@ -130,23 +135,47 @@ def _fp32_gemm_is_ieee(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+@functools.lru_cache(maxsize=None)
+def int_mm_exact_on_cpu() -> bool:
+    """One-time self-check of torch._int_mm on this CPU backend against the provably exact fp64
+    product, on patterns that break non-exact int8 kernels (u8*s8 pair sums that saturate int16 in
+    some non-VNNI paths, sums past 2^24, -128 * -128) and on gemv / small / blocked shapes."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        for M, K, N in ((1, 1040, 8), (3, INT_MM_MIN_K, 5), (17, 4100, 24), (64, 64, 40)):
+            x = torch.randint(-128, 128, (M + 3, K), dtype=torch.int8, generator=g)
+            w = torch.randint(-128, 128, (N + 3, K), dtype=torch.int8, generator=g)
+            x[0], x[1], x[2, ::2], x[2, 1::2] = 127, -128, 127, -128
+            w[0], w[1], w[2, ::2], w[2, 1::2] = 127, -128, -128, 127
+            for wk in (w.t(), w.t().contiguous()):
+                if not torch.equal(torch._int_mm(x, wk).double(), x.double() @ w.double().t()):
+                    return False
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
 def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", method: str = "auto") -> torch.Tensor:
     """Exact integer product of int8 xq [M, K] and int8 weights, as float64 [M, N] holding integers.
 
     w_layout: 'nk' = w is [N, K] (checkpoint layout, y = xq @ w.T); 'kn' = w is [K, N].
 
-    Why it is exact without an integer GEMM (torch._int_mm is an option, see `method`):
-    every product |x*w| <= 128*128 = 2^14, so any partial sum over at most k terms is an integer of
-    magnitude <= k * 2^14. An IEEE format represents all integers up to 2^(p) (p = 24 for fp32,
-    53 for fp64), so when k * 2^14 <= 2^p every addition, in any order and with or without FMA,
-    produces an exactly representable integer and no rounding ever happens:
-      * fp32 GEMM is exact for K <= 1024 (= 2^24 / 2^14), used when fp32 GEMM is true IEEE fp32;
-      * otherwise fp64 GEMM, exact for K <= 2^39 (asserted).
-    The result is then returned in fp64 (exact for any int32 and beyond).
-
-    method: 'auto' (the above), 'fp64' (always fp64), 'int_mm' (torch._int_mm: int32 accumulation,
-    the device's semantics; exact by definition, but its correctness depends on the backend's
-    kernel, so it is not the default: tests/unit/test_w8a8_ops.py checks it against the oracle)."""
+    method:
+      'float' - the provably exact path without an integer GEMM. Every product |x*w| <= 128*128 =
+          2^14, so any partial sum over at most k terms is an integer of magnitude <= k * 2^14. An
+          IEEE format with p significand bits represents every integer up to 2^p, so when
+          k * 2^14 <= 2^p every addition, in any order and with or without FMA, produces an exactly
+          representable integer and nothing is ever rounded:
+            * fp32 GEMM for K <= 1024 (= 2^24 / 2^14), when fp32 GEMM really runs in IEEE fp32
+              (float32_matmul_precision 'highest'; no TF32 on CUDA);
+            * otherwise fp64 GEMM, exact for K <= 2^39 (asserted).
+      'fp64'  - always the fp64 GEMM.
+      'int_mm' - torch._int_mm: int32 accumulation, the device's own semantics (K < 131072 so no
+          int32 overflow). Exact by contract; its correctness is the backend kernel's: torch 2.14
+          on CPU returns garbage for K == 1, so K < INT_MM_MIN_K (16) takes the 'float' path.
+      'auto'  - 'int_mm' on CPU when `int_mm_exact_on_cpu()` passed (measured 5-40x faster than
+          'float' on the AVX2 test machine: the float path converts the weight every call),
+          otherwise 'float'. tests/unit/test_w8a8_ops.py checks every method against an int64 oracle."""
     if xq.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {xq.dtype} and {w.dtype}")
     wk = w if w_layout == "kn" else w.transpose(-2, -1) if w_layout == "nk" else None
@@ -155,15 +184,20 @@ def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", meth
     K = xq.shape[-1]
     if wk.shape[-2] != K:
         raise ValueError(f"int8_matmul: x has K={K} but the weight ({w_layout}) has shape {tuple(w.shape)}")
+    if method == "auto":
+        use_int_mm = xq.device.type == "cpu" and K <= INT32_SAFE_MAX_K and int_mm_exact_on_cpu()
+        method = "int_mm" if use_int_mm else "float"
+    if method == "int_mm" and K < INT_MM_MIN_K:
+        method = "float"
     if method == "int_mm":
         if K > INT32_SAFE_MAX_K:
             raise ValueError(f"K={K} may overflow an int32 accumulator (max {INT32_SAFE_MAX_K})")
         return torch._int_mm(xq.contiguous(), wk).double()
+    if method not in ("float", "fp64"):
+        raise ValueError(f"method must be 'auto', 'float', 'fp64' or 'int_mm', got {method!r}")
     assert K <= FP64_EXACT_MAX_K, f"K={K} exceeds the fp64 exactness bound {FP64_EXACT_MAX_K}"
-    if method == "auto" and K <= FP32_EXACT_MAX_K and _fp32_gemm_is_ieee(xq.device):
+    if method == "float" and K <= FP32_EXACT_MAX_K and _fp32_gemm_is_ieee(xq.device):
         return (xq.float() @ wk.float()).double()
-    if method not in ("auto", "fp64"):
-        raise ValueError(f"method must be 'auto', 'fp64' or 'int_mm', got {method!r}")
     return xq.double() @ wk.double()
 
 

@@ -176,8 +176,8 @@ def test_int8_matmul_exact_random(K):
     x, w = _rand_i8((9, K), K), _rand_i8((13, K), K + 1)
     acc = Q.int8_matmul(x, w)
     np.testing.assert_array_equal(acc.numpy().astype(np.int64), O.int_matmul(x.numpy(), w.numpy()))
-    acc_kn = Q.int8_matmul(x, w.t().contiguous(), w_layout="kn")
-    assert torch.equal(acc, acc_kn)
+    for method in ("float", "int_mm"):
+        assert torch.equal(Q.int8_matmul(x, w.t().contiguous(), w_layout="kn", method=method), acc)
 
 
 def _exactness_adversary(K):
@@ -205,29 +205,53 @@ def test_int8_matmul_exact_at_and_past_the_fp32_bound(K):
     x, w = _exactness_adversary(K)
     exact = O.int_matmul(x.numpy(), w.numpy())
     assert np.abs(exact).max() == K * 128 * 128  # == 2^24 at the fp32 bound K = 1024
-    np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), exact)
-    np.testing.assert_array_equal(Q.int8_matmul(x, w, method="fp64").numpy().astype(np.int64), exact)
+    for method in ("auto", "float", "fp64", "int_mm"):
+        np.testing.assert_array_equal(Q.int8_matmul(x, w, method=method).numpy().astype(np.int64), exact)
     if K > Q.FP32_EXACT_MAX_K:
         # Broken: an fp32 GEMM past its bound rounds.
         broken = (x.float() @ w.float().t()).double()
         assert not np.array_equal(broken.numpy().astype(np.int64), exact)
 
 
+@pytest.mark.parametrize("M", [1, 2, 23, 70])
 @pytest.mark.parametrize("K", [64, 1024, 4096, 65536])
-def test_torch_int_mm_option_is_exact_here(K):
-    """`method='int_mm'` (torch._int_mm) is not the default: check it on this machine's backend,
-    including the u8*s8 pair-sum pattern that saturates int16 in some non-VNNI int8 kernels."""
+def test_torch_int_mm_is_exact_here(K, M):
+    """'auto' uses torch._int_mm on CPU when its self-check passes: check it on this machine's
+    backend for gemv and gemm shapes, including the u8*s8 pair sums that saturate int16 in some
+    non-VNNI int8 kernels (x = 127 against w = 127 / -128)."""
     x, w = _exactness_adversary(K)
-    x = torch.cat([x, _rand_i8((20, K), 7)])
+    x = torch.cat([x, _rand_i8((M, K), 7)])[: max(M, 3)]
     exact = O.int_matmul(x.numpy(), w.numpy())
     np.testing.assert_array_equal(Q.int8_matmul(x, w, method="int_mm").numpy().astype(np.int64), exact)
+    for row in range(x.shape[0]):  # one row at a time: the gemv kernels
+        got = Q.int8_matmul(x[row:row + 1], w, method="int_mm").numpy().astype(np.int64)
+        np.testing.assert_array_equal(got, exact[row:row + 1])
+
+
+def test_int_mm_k1_bug_is_routed_around():
+    """torch 2.14's CPU _int_mm returns uninitialized values for K == 1 (N >= 2): int8_matmul must
+    not use it there, whatever the method."""
+    x, w = _rand_i8((3, 1), 1), _rand_i8((4, 1), 2)
+    exact = O.int_matmul(x.numpy(), w.numpy())
+    for method in ("auto", "int_mm"):
+        np.testing.assert_array_equal(Q.int8_matmul(x, w, method=method).numpy().astype(np.int64), exact)
+
+
+def test_auto_method_choice():
+    x, w = _rand_i8((2, 8), 1), _rand_i8((3, 8), 2)
+    assert Q.int_mm_exact_on_cpu() in (True, False)
+    assert torch.equal(Q.int8_matmul(x, w), Q.int8_matmul(x, w, method="float"))
+    with pytest.raises(ValueError, match="method must be"):
+        Q.int8_matmul(x, w, method="magic")
 
 
 @HYP
 @given(st.integers(1, 5), st.integers(1, 70), st.integers(1, 9), st.integers(0, 2**31 - 1))
 def test_int8_matmul_property(M, K, N, seed):
     x, w = _rand_i8((M, K), seed), _rand_i8((N, K), seed + 1)
-    np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), O.int_matmul(x.numpy(), w.numpy()))
+    exact = O.int_matmul(x.numpy(), w.numpy())
+    for method in ("auto", "float", "int_mm"):
+        np.testing.assert_array_equal(Q.int8_matmul(x, w, method=method).numpy().astype(np.int64), exact)
 
 
 # ------------------------------------------------------------------------------------------------
