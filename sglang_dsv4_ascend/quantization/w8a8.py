@@ -485,7 +485,8 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
             if target is None:
                 hint = ""
                 if suffix in STATIC_SUFFIXES and suffix != "weight":
-                    hint = f": {prefix + '.weight'!r} is {entries.get(prefix + '.weight', 'absent')!r} in {DESCRIPTION_FILE}"
+                    declared_w = entries.get(prefix + ".weight", "absent")
+                    hint = f": {prefix + '.weight'!r} is {declared_w!r} in {DESCRIPTION_FILE}"
                 raise W8A8Error(f"unexpected tensor {name!r}{where(file)} with shape {tuple(t.shape)}: the model "
                                 f"has no such parameter{hint}{_model_desc(model)}")
             if declared in QUANT_TYPES:  # a quantized tensor whose layer was not swapped (cannot happen via plan)

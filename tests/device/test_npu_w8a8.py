@@ -19,7 +19,8 @@ from sglang_dsv4_ascend.ops import quant as Q
 
 pytestmark = [
     pytest.mark.device,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None, reason="torch_npu not installed (needs CANN + NPU)"),
+    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
+                       reason="torch_npu not installed (needs CANN + NPU)"),
 ]
 
 

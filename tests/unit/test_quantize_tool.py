@@ -280,6 +280,22 @@ def test_error_nonzero_weight_offset_and_bad_shape(outputs, tmp_path):
         load_w8a8_model_from_dir(str(path))
 
 
+def test_error_scale_for_a_float_layer(outputs, tmp_path):
+    def edit(t):
+        t["layers.0.attn.wo_a.weight_scale"] = torch.ones(t["layers.0.attn.wo_a.weight"].shape[0], 1)
+
+    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "c", edit_tensors=edit)
+    with pytest.raises(W8A8Error, match=r"unexpected tensor 'layers\.0\.attn\.wo_a\.weight_scale'.*'FLOAT'"):
+        load_w8a8_model_from_dir(str(path))
+
+    def edit2(t):
+        t["layers.0.attn.wq_a.input_scale"] = torch.ones(1)
+
+    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "d", edit_tensors=edit2)
+    with pytest.raises(W8A8Error, match=r"unexpected tensor 'layers\.0\.attn\.wq_a\.input_scale'.*W8A8_DYNAMIC"):
+        load_w8a8_model_from_dir(str(path))
+
+
 def test_wo_b_quantized_is_supported(tiny_ckpt, tmp_path):
     out = str(tmp_path / "wob")
     quantize_checkpoint(tiny_ckpt("flash"), out, "dynamic", quantize_wo_b=True, progress=False)

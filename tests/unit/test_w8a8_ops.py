@@ -435,6 +435,12 @@ TRITON_SCRIPT = textwrap.dedent("""
     ib = torch.randint(-30000, 30000, (w.shape[0],), dtype=torch.int32, generator=g)
     out["qm_static"] = (deq, ib, T.quant_matmul(xq, w, deq, None, ib, out_dtype=torch.bfloat16))
     out["qm_kn"] = T.quant_matmul(xq, w.t().contiguous(), ws, x_s, w_layout="kn")
+    # The W8A8Linear module on the Triton family (bf16 activations, as served).
+    from sglang_dsv4_ascend.quantization.w8a8 import W8A8Linear
+    lin = W8A8Linear(w.shape[1], w.shape[0], family="triton")
+    lin.weight.copy_(w); lin.weight_scale.copy_(ws.float()); lin.process_weights_after_loading()
+    xin = torch.randn(3, 5, w.shape[1], generator=g).bfloat16()
+    out["linear"] = (xin, lin(xin))
     torch.save(out, sys.argv[1])
 """)
 
@@ -472,3 +478,16 @@ def test_triton_quant_matmul_bit_equal_under_interpreter(triton_outputs):
     deq, ib, got = triton_outputs["qm_static"]
     assert torch.equal(got.view(torch.int16), Q.quant_matmul(xq, w, deq, None, ib).view(torch.int16))
     assert torch.equal(triton_outputs["qm_kn"], Q.quant_matmul(xq, w, ws, xs))
+
+
+def test_w8a8_linear_triton_family_equals_reference(triton_outputs):
+    from sglang_dsv4_ascend.quantization.w8a8 import W8A8Linear
+
+    _, _, w, ws = _qm_inputs()
+    lin = W8A8Linear(w.shape[1], w.shape[0], family="reference")
+    lin.weight.copy_(w)
+    lin.weight_scale.copy_(ws.float())
+    lin.process_weights_after_loading()
+    xin, got = triton_outputs["linear"]
+    assert got.shape == (3, 5, w.shape[0]) and got.dtype == torch.bfloat16
+    assert torch.equal(got, lin(xin))
