@@ -11,8 +11,8 @@ Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fuse
       amax_m = max_k |x32[m, k]|
       scale_m = amax_m * fp32(1/127)                       (one fp32 multiply)
       q[m, k] = saturate_int8(round_half_even(x32[m, k] / scale_m))   (IEEE fp32 division)
-  |q| <= 127 except where fp32 rounding of scale_m pushes a quotient just past 127, which
-  saturates. An all-zero row (scale 0, 0/0) gives scale 0 and q 0: a guard of this reference,
+  |q| <= 127 (the amax element's quotient is 127 up to fp32 rounding, e.g. 127.00001 -> 127;
+  -128 never occurs; saturation matters only for non-finite input or a subnormal scale). An all-zero row (scale 0, 0/0) gives scale 0 and q 0: a guard of this reference,
   UNVERIFIED on hardware. Same for a row whose scale underflows to 0.
 * `static_quant` (npu_quantize, div_mode=False, as SGLang's NPUW8A8Int8LinearMethod calls it):
       recip = P(1 / P(input_scale))      P = the parameter dtype (bf16): both roundings in P
