@@ -144,11 +144,25 @@ def _install_kv_pool_hook():
 
 HOOK_KV_POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool"
 
+def _install_quantization():
+    """`w8a8_ascend` in SGLang's quantization table (a plain dict: no register function exists,
+    so every process inserts it) and in the --quantization choices."""
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+
+    from .quantization.w8a8_ascend import NAME, W8A8AscendConfig
+
+    QUANTIZATION_METHODS[NAME] = W8A8AscendConfig
+    if NAME not in choices.QUANTIZATION_CHOICES:
+        choices.add_quantization_method_choices([NAME])
+
+
 # (name, installer) pairs for the components that exist.
 COMPONENTS: list = [
     ("model:DeepseekV4ForCausalLM", _install_models),
     (f"attention_backend:{BACKEND_NAME}", _install_attention_backend),
     ("model_override:DeepseekV4ForCausalLM", _install_model_override),
+    ("quantization:w8a8_ascend", _install_quantization),
 ]
 
 HOOKS: list = [

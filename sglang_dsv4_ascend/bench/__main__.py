@@ -1,6 +1,6 @@
 import sys
 
-BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache"}
+BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache", "w8a8": "sglang_dsv4_ascend.bench.w8a8"}
 
 
 def main(argv=None) -> int:

@@ -30,12 +30,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
-        if quant_config is not None:
-            raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: quantization {quant_config.get_name()!r} "
-                             "is not supported yet (bf16/fp32 checkpoints only)")
         self.config = config
         self.cfg = DSV4Config.from_hf(config)
         self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype())
+        self.quant_description = None
+        if quant_config is not None:
+            if quant_config.get_name() != "w8a8_ascend":
+                raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: --quantization {quant_config.get_name()!r} is "
+                                 "not supported; use a bf16 checkpoint or a ModelSlim W8A8 one with "
+                                 "--quantization w8a8_ascend")
+            from ..quantization.w8a8 import apply_quant_description
+
+            self.quant_description = quant_config.description
+            apply_quant_description(self.model, self.quant_description)
         self.logits_processor = LogitsProcessor(config)
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, **kwargs):
@@ -48,7 +55,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights):
         source = _weight_files(getattr(self.config, "_name_or_path", None))
-        load_released_weights(self.model, weights, source=source)
+        if self.quant_description is None:
+            load_released_weights(self.model, weights, source=source)
+        else:
+            from ..quantization.w8a8 import load_w8a8_weights
+
+            load_w8a8_weights(self.model, weights, self.quant_description, source=source)
 
 
 EntryClass = [DeepseekV4ForCausalLM]
