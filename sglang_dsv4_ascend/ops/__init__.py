@@ -33,6 +33,10 @@ def _faster(family: str) -> dict:
         from .triton.sparse_attention import sparse_attention_with_sink
 
         return {"sparse_attention_with_sink": sparse_attention_with_sink}
+    if family == "npu":
+        from . import npu
+
+        return {"rms_norm": npu.rms_norm}
     return {}
 
 

@@ -84,3 +84,11 @@ def grouped_quant_matmul(xq: torch.Tensor, w_ekn: torch.Tensor, scales: torch.Te
         output_dtype=out_dtype,
     )
     return out[0]
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """`ops.reference.rms_norm` through torch_npu.npu_rms_norm (one fused op; the reference rounds
+    the normalised value to x's dtype before the weight multiply, so expect bf16-ulp differences).
+    Unverified on NPU hardware: never run on an NPU by this project."""
+    gamma = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
+    return _torch_npu().npu_rms_norm(x, gamma, epsilon=eps)[0]
