@@ -41,6 +41,15 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _load_block(x_row, smooth_ptr, offs, m, HAS_SMOOTH: tl.constexpr):
+    """x[offs] in fp32, times the smooth scales when given (both passes read the row this way)."""
+    x = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        x = x * tl.load(smooth_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _dynamic_quant_kernel(x_ptr, smooth_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, inv127,
                           HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
@@ -50,9 +59,7 @@ def _dynamic_quant_kernel(x_ptr, smooth_ptr, q_ptr, s_ptr, K, stride_xm, stride_
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         m = offs < K
-        x = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            x = x * tl.load(smooth_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = _load_block(x_row, smooth_ptr, offs, m, HAS_SMOOTH)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.max(amax, axis=0) * inv127
     tl.store(s_ptr + row, scale)
@@ -61,9 +68,7 @@ def _dynamic_quant_kernel(x_ptr, smooth_ptr, q_ptr, s_ptr, K, stride_xm, stride_
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         m = offs < K
-        x = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            x = x * tl.load(smooth_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = _load_block(x_row, smooth_ptr, offs, m, HAS_SMOOTH)
         v = tl.math.div_rn(x, tl.zeros([BLOCK_K], dtype=tl.float32) + safe)
         r = _round_half_even(v)
         r = tl.minimum(tl.maximum(r, -128.0), 127.0)
