@@ -18,8 +18,9 @@ logger = logging.getLogger("sglang_dsv4_ascend")
 DSV4_ARCHS = ("DeepseekV4ForCausalLM",)
 BACKEND_NAME = "dsv4_ascend"
 MODELS_PACKAGE = "sglang_dsv4_ascend.models"
-# The CPU reference keeps compressed entries densely per request slot, so the slot count and
-# context are bounded there (user flags still win).
+# On CPU (RAM shared with everything else) bound the request slots and the context: SGLang's
+# req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
+# carries fixed rings. User flags still win.
 CPU_DSV4_MAX_RUNNING_REQUESTS = 16
 
 
@@ -57,7 +58,7 @@ def _install_attention_backend():
 
 def _dsv4_overrides(server_args, hf_config) -> dict:
     """Server defaults for DeepSeek-V4 with our backend; runs after SGLang's own DSV4 provider
-    (registered later, so it wins) and replaces its `dsv4` backend / 256-token pages."""
+    (registered later, so it wins) and replaces its `dsv4` backend and page size."""
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
@@ -65,7 +66,7 @@ def _dsv4_overrides(server_args, hf_config) -> dict:
         "attention_backend": BACKEND_NAME,
         "prefill_attention_backend": BACKEND_NAME,
         "decode_attention_backend": BACKEND_NAME,
-        "page_size": 1,
+        "page_size": 128,
         # Our cache keeps DSV4 state per request slot; SGLang's hybrid-SWA pools would size and
         # evict a second, unused copy.
         "disable_hybrid_swa_memory": True,
@@ -82,7 +83,7 @@ def _dsv4_overrides(server_args, hf_config) -> dict:
 
 
 def _model_adjustments(server_args, previous):
-    """After SGLang's model-specific step: bound the CPU reference's per-slot DSV4 cache.
+    """After SGLang's model-specific step: bound request slots and context on the CPU reference.
 
     The model-override gate does not accept these two fields, so they go through SGLang's
     resolution-hook seam instead. User flags win (only unset fields are declared)."""
@@ -115,7 +116,8 @@ def _install_model_override():
 
 
 def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
-    """Build our DSV4 pool where SGLang would build (and, for an OOT platform, reject) its own."""
+    """Build our DSV4 pool where SGLang would build (and, for an OOT platform, reject) its own.
+    Its compressed entries are paged through `req_to_token`, one entry row per r token slots."""
     if not is_dsv4_model:
         return orig(self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
                     req_to_token_pool=req_to_token_pool)
@@ -131,8 +133,7 @@ def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, r
                     "supported yet)", dtype, self.kv_cache_dtype)
     return DSV4TokenToKVPool(
         size=sizes.max_total_num_tokens, page_size=get_schedule().page_size, dtype=dtype, cfg=cfg,
-        num_slots=req_to_token_pool.req_to_token.shape[0],
-        max_context_len=req_to_token_pool.req_to_token.shape[1], spec_slack=0, device=self.device,
+        req_to_token=req_to_token_pool.req_to_token, spec_slack=0, device=self.device,
     )
 
 

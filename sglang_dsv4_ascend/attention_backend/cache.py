@@ -6,8 +6,13 @@ One allocation for `num_slots` request slots (a slot = SGLang's req_pool_idx). P
 * compressor input rows (projected kv and gate of the incomplete windows, fp32), rings keyed the
   same way: CSA keeps the previous and the current 4-token block (overlapping windows) = 8 rows,
   HCA the current 128-token block, the CSA indexer its own 8 rows; each ring has `spec_slack` extra.
-* compressed entries   C4 KV [S, cap//4, head_dim], C4 indexer keys [S, cap//4, index_head_dim],
-  C128 KV [S, cap//128, head_dim], row = entry number j (covers positions [j*r, (j+1)*r)).
+* compressed entries   C4 KV [P//4, head_dim], C4 indexer keys [P//4, index_head_dim], C128 KV
+  [P//128, head_dim], shared by all requests and paged like the token KV of other models: entry j
+  of a request (positions [j*r, (j+1)*r)) lives at row token_slots[slot, j*r] // r, where
+  token_slots maps (slot, position) to one of P token-slot ids. Under SGLang that map is
+  `req_to_token` and P the KV pool size, so entries are allocated and freed with the request's
+  pages; pages of a multiple of 128 tokens keep every block's ids contiguous and r-aligned. Used
+  alone, the cache lays its slots out densely (P = num_slots * capacity rounded up to 128).
 
 Validity is never stored: it is the caller's committed length L. A forward for (slot, start=L, n)
 reads only positions < L (and entries < L // r), and writes rows keyed by absolute position. That is
@@ -59,13 +64,19 @@ class _LayerState:
     ratio: int
     swa: torch.Tensor
     rows: dict  # name -> (kv ring, gate ring)
-    entries: dict  # name -> [S, cap // ratio, dim]
+    entries: dict  # name -> [P // ratio, dim], row = token-slot id of the block's first token // ratio
+
+
+ENTRY_ALIGN = 128  # every compression ratio divides it; token-slot pages must be multiples of it
 
 
 class DSV4Cache:
     def __init__(self, cfg, num_slots: int, max_context_len: int, spec_slack: int = 0,
-                 dtype=torch.float32, device=None, ratios=None):
-        """`ratios` defaults to the config's main layers (drafts can pass their own, all 0)."""
+                 dtype=torch.float32, device=None, ratios=None, token_slots=None, num_token_slots=None):
+        """`ratios` defaults to the config's main layers (drafts can pass their own, all 0).
+        `token_slots` [num_slots, >= max_context_len + spec_slack] (SGLang's req_to_token) and
+        `num_token_slots` (its pool size) page the compressed entries; without them the cache
+        lays each slot out densely."""
         if num_slots <= 0 or max_context_len <= 0 or spec_slack < 0:
             raise ValueError(
                 f"DSV4Cache: num_slots={num_slots}, max_context_len={max_context_len}, spec_slack={spec_slack}; "
@@ -75,6 +86,14 @@ class DSV4Cache:
         self.spec_slack, self.dtype, self.device = spec_slack, dtype, device
         self.capacity = max_context_len + spec_slack  # highest position + 1 a forward may write
         self.window_ring = cfg.sliding_window + spec_slack
+        if token_slots is None:
+            stride = -(-self.capacity // ENTRY_ALIGN) * ENTRY_ALIGN
+            token_slots = torch.arange(num_slots * stride, device=device).view(num_slots, stride)
+            num_token_slots = num_slots * stride
+        elif num_token_slots is None or token_slots.shape[0] < num_slots or token_slots.shape[1] < self.capacity:
+            raise ValueError(f"DSV4Cache: token_slots {tuple(token_slots.shape)} / num_token_slots "
+                             f"{num_token_slots} must cover {num_slots} slots x {self.capacity} positions")
+        self.token_slots, self.num_token_slots = token_slots, num_token_slots
         ratios = cfg.compress_ratios if ratios is None else tuple(ratios)
         self.layers = [self._alloc(r) for r in ratios]
 
@@ -93,10 +112,10 @@ class DSV4Cache:
             width = 2 * D if overlap else D
             # Rows stay fp32 (tiny) so an entry pooled across forwards equals one pooled in one pass.
             rows[COMPRESSOR] = (zeros(S, ring, width, dtype=torch.float32), zeros(S, ring, width, dtype=torch.float32))
-            entries[COMPRESSOR] = zeros(S, self.capacity // ratio, D)
+            entries[COMPRESSOR] = zeros(self.num_token_slots // ratio, D)
             if overlap:
                 rows[INDEXER] = (zeros(S, ring, 2 * Di, dtype=torch.float32), zeros(S, ring, 2 * Di, dtype=torch.float32))
-                entries[INDEXER] = zeros(S, self.capacity // ratio, Di)
+                entries[INDEXER] = zeros(self.num_token_slots // ratio, Di)
         return _LayerState(ratio, swa, rows, entries)
 
     def rows_ring(self, ratio: int) -> int:
@@ -120,9 +139,14 @@ class DSV4Cache:
         idx = self._ring_index(p0, p1, kv.shape[1])
         return kv[slot, idx], gate[slot, idx]
 
+    def entry_rows(self, slot: int, ratio: int, j0: int, j1: int) -> torch.Tensor:
+        """Rows of entries j0..j1-1 of `slot` in the shared entry tensors."""
+        return self.token_slots[slot, j0 * ratio : j1 * ratio : ratio].long() // ratio
+
     def entries(self, layer: int, name: str, slot: int, n: int) -> torch.Tensor:
-        """Compressed entries 0..n-1 (a view)."""
-        return self.layers[layer].entries[name][slot, :n]
+        """Compressed entries 0..n-1 of `slot` (gathered)."""
+        st = self.layers[layer]
+        return st.entries[name][self.entry_rows(slot, st.ratio, 0, n)]
 
     # -- writes ------------------------------------------------------------------------------------
     def write(self, w: SegmentWrites) -> None:
@@ -138,7 +162,7 @@ class DSV4Cache:
             self._write_ring(ring_kv, w.slot, w.start, kv)
             self._write_ring(ring_gate, w.slot, w.start, gate)
         for name, (j0, e) in w.entries.items():
-            st.entries[name][w.slot, j0 : j0 + e.shape[0]] = e.to(self.dtype)
+            st.entries[name][self.entry_rows(w.slot, st.ratio, j0, j0 + e.shape[0])] = e.to(self.dtype)
 
     def _write_ring(self, ring: torch.Tensor, slot: int, start: int, rows: torch.Tensor) -> None:
         n, size = rows.shape[0], ring.shape[1]
@@ -152,13 +176,20 @@ class DSV4Cache:
             self.write(w if accepted is None or w.slot not in accepted else w.prefix(accepted[w.slot]))
 
     def reset_slot(self, slot: int) -> None:
-        """Forget a request. Not needed for correctness (validity is the committed length); it keeps
-        freed slots clean for debugging and makes reuse byte-identical to a fresh cache."""
-        for t in self.state_tensors().values():
-            t[slot].zero_()
+        """Forget a request: its rings and the entries its token slots map to. Not needed for
+        correctness (validity is the committed length); it keeps freed slots clean for debugging
+        and makes reuse byte-identical to a fresh cache."""
+        for st in self.layers:
+            st.swa[slot].zero_()
+            for kv, gate in st.rows.values():
+                kv[slot].zero_()
+                gate[slot].zero_()
+            for e in st.entries.values():
+                e[self.entry_rows(slot, st.ratio, 0, self.capacity // st.ratio)] = 0
 
     # -- accounting --------------------------------------------------------------------------------
     def state_tensors(self) -> dict:
+        """Every storage tensor: per-slot rings and the shared entry tensors."""
         out = {}
         for i, st in enumerate(self.layers):
             out[f"layers.{i}.swa"] = st.swa
@@ -166,6 +197,17 @@ class DSV4Cache:
                 out[f"layers.{i}.{name}.rows_kv"], out[f"layers.{i}.{name}.rows_gate"] = kv, gate
             for name, e in st.entries.items():
                 out[f"layers.{i}.{name}.entries"] = e
+        return out
+
+    def slot_state(self, slot: int) -> dict:
+        """Copies of everything `slot` owns: its rings and its entries (through token_slots)."""
+        out = {}
+        for i, st in enumerate(self.layers):
+            out[f"layers.{i}.swa"] = st.swa[slot].clone()
+            for name, (kv, gate) in st.rows.items():
+                out[f"layers.{i}.{name}.rows_kv"], out[f"layers.{i}.{name}.rows_gate"] = kv[slot].clone(), gate[slot].clone()
+            for name, e in st.entries.items():
+                out[f"layers.{i}.{name}.entries"] = e[self.entry_rows(slot, st.ratio, 0, self.capacity // st.ratio)]
         return out
 
     def nbytes(self) -> dict:
@@ -183,8 +225,8 @@ class DSV4Cache:
         return acc
 
     def bytes_per_token(self) -> float:
-        """Total state bytes divided by the token capacity (num_slots * max_context_len)."""
-        return self.nbytes()["total"] / (self.num_slots * self.max_context_len)
+        """Total state bytes divided by the token slots the entries are sized for."""
+        return self.nbytes()["total"] / self.num_token_slots
 
 
 def _nb(t: torch.Tensor) -> int:

@@ -1,9 +1,11 @@
 """The DeepSeek-V4 KV pool as SGLang sees it: a `KVCache` whose storage is a `DSV4Cache`.
 
-SGLang's allocator still hands out one token slot per token (the request's row in `req_to_token`);
-what those tokens leave behind lives here, per request slot (req_pool_idx): SWA rings, compressor
-rows and compressed C4 / C128 / indexer entries. No per-token K/V buffer exists, so the MHA-style
-accessors refuse loudly instead of returning something that would be silently wrong.
+SGLang's allocator still hands out one token slot per token (the request's row in `req_to_token`).
+The compressed C4 / C128 / indexer entries are paged through those token slots (entry j of a
+request at `req_to_token[req, j*r] // r`), so they are allocated and freed with the request's
+pages; the fixed-size per-request state (SWA ring, compressor rows) lives per request slot
+(req_pool_idx). No per-token K/V buffer exists, so the MHA-style accessors refuse loudly instead of
+returning something that would be silently wrong.
 """
 
 from __future__ import annotations
@@ -13,19 +15,27 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
-from ..attention_backend.cache import DSV4Cache
+from ..attention_backend.cache import ENTRY_ALIGN, DSV4Cache
 
 logger = logging.getLogger(__name__)
 
 
 class DSV4TokenToKVPool(KVCache):
-    def __init__(self, *, size: int, page_size: int, dtype: torch.dtype, cfg, num_slots: int,
-                 max_context_len: int, spec_slack: int, device: str, enable_memory_saver: bool = False):
+    def __init__(self, *, size: int, page_size: int, dtype: torch.dtype, cfg, req_to_token: torch.Tensor,
+                 spec_slack: int, device: str, enable_memory_saver: bool = False):
         super().__init__(size=size, page_size=page_size, dtype=dtype, layer_num=cfg.num_hidden_layers,
                          device=device, enable_memory_saver=enable_memory_saver,
                          allocation_label="DeepSeek-V4 (dsv4_ascend)")
+        ratios = {r for r in cfg.compress_ratios if r}
+        if any(page_size % r for r in ratios):
+            raise ValueError(f"dsv4_ascend: --page-size {page_size} must be a multiple of {ENTRY_ALIGN} "
+                             f"(compression ratios {sorted(ratios)}): compressed entries are addressed by "
+                             "the token slot of their block's first token")
         self.cfg = cfg
-        self.cache = DSV4Cache(cfg, num_slots, max_context_len, spec_slack, dtype=dtype, device=device)
+        num_slots, max_context_len = req_to_token.shape
+        # Token-slot ids run up to size + page_size (SGLang's pools keep one padding page).
+        self.cache = DSV4Cache(cfg, num_slots, max_context_len - spec_slack, spec_slack, dtype=dtype,
+                               device=device, token_slots=req_to_token, num_token_slots=size + page_size)
         nb = self.cache.nbytes()
         logger.info("dsv4_ascend cache: %d request slots x %d tokens (+%d speculative rows), %s",
                     num_slots, max_context_len, spec_slack,

@@ -64,7 +64,7 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     expected = hf_greedy(tiny_dsv4, prompt_ids, N_NEW)
     # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
     # Mixed chunks: decode tokens of running requests ride along with prefill chunks (MIXED mode).
-    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "64", "--enable-mixed-chunk")
+    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "128", "--enable-mixed-chunk")
     info = srv.server_info()
     assert info["attention_backend"] == "dsv4_ascend"
     # Prefix cache is switched off for DSV4, and the log says why.

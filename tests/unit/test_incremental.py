@@ -138,11 +138,13 @@ def test_reset_slot_reuse_equals_fresh_cache(dsv4_model):
     cache = _cache(model, slots=2)
     _chunked(model, cache, 0, a, [300])
     _chunked(model, cache, 1, b, [150])
-    other = {k: t[1].clone() for k, t in cache.state_tensors().items()}
+    other = cache.slot_state(1)
     cache.reset_slot(0)
-    for k, t in cache.state_tensors().items():
-        assert not t[0].any(), k
-        assert torch.equal(t[1], other[k]) or torch.isnan(other[k]).any(), k  # slot 1 untouched
+    after0, after1 = cache.slot_state(0), cache.slot_state(1)
+    assert after0.keys() == other.keys()
+    for k in other:
+        assert not after0[k].any(), k
+        assert torch.equal(after1[k], other[k]) or torch.isnan(other[k]).any(), k  # slot 1 untouched
     torch.testing.assert_close(_chunked(model, cache, 0, c, [100, 1, 199]), _full(model, c), **TOL)
     torch.testing.assert_close(_chunked(model, cache, 1, b, [1, 1], start=150), _full(model, b)[150:152], **TOL)
 
@@ -167,9 +169,11 @@ def test_cache_byte_accounting(dsv4_model):
     cache = dsv4_model("flash").make_cache(2, 256, spec_slack=3)
     nb, D, Di, f32 = cache.nbytes(), cfg.head_dim, cfg.index_head_dim, 4
     assert nb["swa"] == 5 * 2 * (16 + 3) * D * f32
-    assert nb["c4_kv"] == 2 * 2 * (259 // 4) * D * f32 and nb["c4_index"] == 2 * 2 * (259 // 4) * Di * f32
-    assert nb["c128_kv"] == 2 * (259 // 128) * D * f32
+    # Entries are sized per token slot: 2 slots x 259 positions, each slot padded to 384 (3 x 128).
+    assert cache.num_token_slots == 2 * 384
+    assert nb["c4_kv"] == 2 * (768 // 4) * D * f32 and nb["c4_index"] == 2 * (768 // 4) * Di * f32
+    assert nb["c128_kv"] == (768 // 128) * D * f32
     rows = 2 * 2 * ((8 + 3) * 2 * D + (8 + 3) * 2 * Di) + 2 * (128 + 3) * D  # kv+gate rows, fp32
     assert nb["compressor_rows"] == rows * 2 * f32
     assert nb["total"] == sum(v for k, v in nb.items() if k != "total")
-    assert cache.bytes_per_token() == nb["total"] / (2 * 256)
+    assert cache.bytes_per_token() == nb["total"] / 768
