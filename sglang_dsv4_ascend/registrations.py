@@ -86,13 +86,21 @@ def _model_adjustments(server_args, previous):
     """After SGLang's model-specific step: bound request slots and context on the CPU reference.
 
     The model-override gate does not accept these two fields, so they go through SGLang's
-    resolution-hook seam instead. User flags win (only unset fields are declared)."""
-    previous(server_args)
+    resolution-hook seam instead. User flags win (only unset fields are declared).
+    Speculative decoding for DeepSeek-V4 is refused up front, naming the flag, rather than failing
+    deep inside SGLang's own DSV4 workers."""
     from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 
     cfg = resolving_view(server_args)
     hf = model_config_of(server_args).hf_config
-    if (getattr(hf, "architectures", None) or [None])[0] not in DSV4_ARCHS or cfg.device != "cpu":
+    is_dsv4 = (getattr(hf, "architectures", None) or [None])[0] in DSV4_ARCHS
+    if is_dsv4 and cfg.speculative_algorithm:
+        raise ValueError(
+            f"--speculative-algorithm {cfg.speculative_algorithm}: speculative decoding for DeepSeek-V4 is not "
+            "available in sglang-dsv4-ascend yet (NextN and DSpark workers are planned); serve without it"
+        )
+    previous(server_args)
+    if not is_dsv4 or cfg.device != "cpu":
         return
     decl = {}
     if cfg.context_length is None:

@@ -1,5 +1,6 @@
-"""A bad DeepSeek-V4 checkpoint stops the real server at load with an error that names the tensor,
-its expected shape and the file: SGLang only logs plugin errors, so this proves ours surface."""
+"""Bad input for DeepSeek-V4 stops the real server with an error that names it: a checkpoint with a
+dropped tensor (the tensor and its shape), a speculative algorithm we do not serve yet (the flag).
+SGLang only logs plugin errors, so these prove ours surface."""
 
 import json
 import os
@@ -31,3 +32,11 @@ def test_dropped_tensor_is_named_and_server_refuses(tmp_path):
     log = str(e.value)
     assert victim in log
     assert str(list(expected_shape)) in log or str(expected_shape) in log, log[-3000:]
+
+
+def test_speculative_flag_is_refused_by_name(tmp_path):
+    d = write_checkpoint(str(tmp_path / "ck"), "flash", "dspark")
+    srv = SGLangServer(d, "--speculative-algorithm", "NEXTN", startup_timeout=120)
+    with pytest.raises(ServerFailed) as e:
+        srv.start()
+    assert "--speculative-algorithm NEXTN: speculative decoding for DeepSeek-V4 is not available" in str(e.value)
