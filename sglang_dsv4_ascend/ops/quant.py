@@ -60,7 +60,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .reference import swiglu_clamped as _swiglu_gate_up_split
+from .reference import swiglu_clamped as _reference_swiglu
 
 INT8_MIN, INT8_MAX = -128, 127
 INV_127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)  # fp32(1/127), the constant the device uses
@@ -309,7 +309,7 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, out_dtype=None) -> torch
     the input dtype): h = silu(min(gate, L)) * clamp(up, -L, L). limit <= 0 disables the clamp.
     (SGLang's NPUSwigluStepAndMul clamps after SiLU and its int8 MoE path not at all: §4.2.)"""
     g, u = gate_up.float().chunk(2, dim=-1)  # the reference op is the one definition of V4's clamp
-    return _swiglu_gate_up_split(g, u, limit).to(out_dtype or gate_up.dtype)
+    return _reference_swiglu(g, u, limit).to(out_dtype or gate_up.dtype)
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
