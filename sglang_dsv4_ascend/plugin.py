@@ -13,8 +13,6 @@ import sys
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
-# What register() did in this process, for `doctor` and for tests.
-REGISTERED: dict[str, list[str]] = {"components": [], "hooks": []}
 _done = False
 
 
@@ -23,25 +21,17 @@ def register() -> None:
     if _done:
         return
     _done = True
-    from sglang_dsv4_ascend import compat
+    from sglang_dsv4_ascend import compat, registrations
 
     try:
         compat.check_sglang_version()
-        for name, install in _components():
+        for _, install in registrations.COMPONENTS:
             install()
-            REGISTERED["components"].append(name)
-        REGISTERED["hooks"].extend(compat.install_hooks())
+        hooks = compat.install_hooks()
     except compat.UnsupportedSGLang as e:
         msg = f"[sglang-dsv4-ascend] refusing to start: {e}"
         print(msg, file=sys.stderr, flush=True)
         logger.error(msg)
         raise SystemExit(msg) from e
     logger.info("sglang-dsv4-ascend registered: components=%s hooks=%s",
-                REGISTERED["components"], REGISTERED["hooks"])
-
-
-def _components():
-    """(name, installer) for every component that exists in this version of the package."""
-    from sglang_dsv4_ascend import registrations
-
-    return registrations.COMPONENTS
+                [name for name, _ in registrations.COMPONENTS], hooks)

@@ -91,6 +91,8 @@ def _model_adjustments(server_args, previous):
     deep inside SGLang's own DSV4 workers."""
     from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 
+    from .platforms.cpu import DEFAULT_MAX_TOTAL_TOKENS
+
     cfg = resolving_view(server_args)
     hf = model_config_of(server_args).hf_config
     is_dsv4 = (getattr(hf, "architectures", None) or [None])[0] in DSV4_ARCHS
@@ -104,7 +106,7 @@ def _model_adjustments(server_args, previous):
         return
     decl = {}
     if cfg.context_length is None:
-        cap = cfg.max_total_tokens or 32768
+        cap = cfg.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
         decl["context_length"] = int(min(getattr(hf, "max_position_embeddings", cap), cap))
     if cfg.max_running_requests in (None, 256):  # 256: SGLang's DSV4 default, not a user choice
         decl["max_running_requests"] = CPU_DSV4_MAX_RUNNING_REQUESTS

@@ -28,9 +28,9 @@ class DSV4TokenToKVPool(KVCache):
                          allocation_label="DeepSeek-V4 (dsv4_ascend)")
         ratios = {r for r in cfg.compress_ratios if r}
         if any(page_size % r for r in ratios):
-            raise ValueError(f"dsv4_ascend: --page-size {page_size} must be a multiple of {ENTRY_ALIGN} "
-                             f"(compression ratios {sorted(ratios)}): compressed entries are addressed by "
-                             "the token slot of their block's first token")
+            raise ValueError(f"dsv4_ascend: --page-size {page_size} must be a multiple of every compression "
+                             f"ratio {sorted(ratios)} ({ENTRY_ALIGN} serves all): compressed entries are "
+                             "addressed by the token slot of their block's first token")
         self.cfg = cfg
         num_slots, max_context_len = req_to_token.shape
         # Token-slot ids run up to size + page_size (SGLang's pools keep one padding page).

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import psutil
-import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
@@ -27,6 +25,9 @@ DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
 class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
+    """CpuDeviceMixin supplies memory from psutil and the gloo backend; SRTPlatform's defaults
+    already give a CPU group coordinator, the "native" dispatch key and no speculative workers."""
+
     _enum = PlatformEnum.OOT
     device_name = "cpu"
     device_type = "cpu"
@@ -36,9 +37,6 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
     def get_device(self, device_id: int = 0):
         # SGLang formats and compares this as a string in several places.
         return "cpu"
-
-    def get_device_total_memory(self, device_id: int = 0) -> int:
-        return int(psutil.virtual_memory().total)
 
     def is_pin_memory_available(self, device=None) -> bool:
         return False
@@ -69,15 +67,3 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
 
             return CpuMHATokenToKVPool
         return None
-
-    def get_torch_distributed_backend_str(self) -> str:
-        return "gloo"
-
-    def get_group_coordinator_device(self, local_rank: int) -> torch.device:
-        return torch.device("cpu")
-
-    def get_dispatch_key_name(self) -> str:
-        return "native"
-
-    def supports_speculative_algorithm(self, algorithm: str) -> bool:
-        return False
