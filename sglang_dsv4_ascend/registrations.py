@@ -12,16 +12,12 @@ import os
 import sys
 
 from .compat import Hook
+from .server_defaults import BACKEND_NAME
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
 DSV4_ARCHS = ("DeepseekV4ForCausalLM",)
-BACKEND_NAME = "dsv4_ascend"
 MODELS_PACKAGE = "sglang_dsv4_ascend.models"
-# On CPU (RAM shared with everything else) bound the request slots and the context: SGLang's
-# req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
-# carries fixed rings. User flags still win.
-CPU_DSV4_MAX_RUNNING_REQUESTS = 16
 
 
 def _install_models():
@@ -56,73 +52,16 @@ def _install_attention_backend():
         choices.add_attention_backend_choices([BACKEND_NAME])
 
 
-def _dsv4_overrides(server_args, hf_config) -> dict:
-    """Server defaults for DeepSeek-V4 with our backend; runs after SGLang's own DSV4 provider
-    (registered later, so it wins) and replaces its `dsv4` backend and page size."""
-    from sglang.srt.arg_groups.model_override_base import resolving_view
-
-    cfg = resolving_view(server_args)
-    out = {
-        "attention_backend": BACKEND_NAME,
-        "prefill_attention_backend": BACKEND_NAME,
-        "decode_attention_backend": BACKEND_NAME,
-        "page_size": 128,
-        # Our cache keeps DSV4 state per request slot; SGLang's hybrid-SWA pools would size and
-        # evict a second, unused copy.
-        "disable_hybrid_swa_memory": True,
-    }
-    if not cfg.disable_radix_cache:
-        # The radix tree shares token slots between requests, but DSV4 state (SWA ring,
-        # compressor rows, compressed entries) lives per request slot and would not come along:
-        # a prefix hit would attend to another request's (or no) history. Off until the cache
-        # can snapshot per-prefix state.
-        logger.info("dsv4_ascend: radix (prefix) cache disabled for DeepSeek-V4: its per-request "
-                    "compressor and window state is not shared through the radix tree yet")
-        out["disable_radix_cache"] = True
-    return out
-
-
-def _model_adjustments(server_args, previous):
-    """After SGLang's model-specific step: bound request slots and context on the CPU reference.
-
-    The model-override gate does not accept these two fields, so they go through SGLang's
-    resolution-hook seam instead. User flags win (only unset fields are declared).
-    Speculative decoding for DeepSeek-V4 is refused up front, naming the flag, rather than failing
-    deep inside SGLang's own DSV4 workers."""
-    from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
-
-    from .platforms.cpu import DEFAULT_MAX_TOTAL_TOKENS
-
-    cfg = resolving_view(server_args)
-    hf = model_config_of(server_args).hf_config
-    is_dsv4 = (getattr(hf, "architectures", None) or [None])[0] in DSV4_ARCHS
-    if is_dsv4 and cfg.speculative_algorithm:
-        raise ValueError(
-            f"--speculative-algorithm {cfg.speculative_algorithm}: speculative decoding for DeepSeek-V4 is not "
-            "available in sglang-dsv4-ascend yet (NextN and DSpark workers are planned); serve without it"
-        )
-    previous(server_args)
-    if not is_dsv4 or cfg.device != "cpu":
-        return
-    decl = {}
-    if cfg.context_length is None:
-        cap = cfg.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
-        decl["context_length"] = int(min(getattr(hf, "max_position_embeddings", cap), cap))
-    if cfg.max_running_requests in (None, 256):  # 256: SGLang's DSV4 default, not a user choice
-        decl["max_running_requests"] = CPU_DSV4_MAX_RUNNING_REQUESTS
-    if decl:
-        logger.info("dsv4_ascend on CPU: %s (pass the flags to change)", decl)
-        declare_resolution(server_args, "sglang_dsv4_ascend", **decl)
-
-
 def _install_model_override():
     import sglang.srt.arg_groups.overrides  # noqa: F401  (in-tree providers first: last one wins)
     from sglang.srt.arg_groups.model_override_base import register_model_override
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
+    from .server_defaults import dsv4_overrides, model_adjustments
+
     for arch in DSV4_ARCHS:
-        register_model_override(arch)(_dsv4_overrides)
-    register_resolution_hook("handle_model_specific_adjustments")(_model_adjustments)
+        register_model_override(arch)(dsv4_overrides)
+    register_resolution_hook("handle_model_specific_adjustments")(model_adjustments)
 
 
 def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
@@ -147,13 +86,27 @@ def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, r
     )
 
 
-def _install_kv_pool_hook():
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def _hook(target: str, fn_path: str, kind: str):
+    """Installer for one HookRegistry hook: `fn_path` ("module:function" in this package)
+    imported only when the hook is installed."""
 
-    HookRegistry.register(HOOK_KV_POOL_TARGET.replace(":", "."), _build_token_to_kv_pool, HookType.AROUND)
+    def install():
+        import importlib
+
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        mod, name = fn_path.split(":")
+        fn = getattr(importlib.import_module(mod, __package__), name)
+        HookRegistry.register(target.replace(":", "."), fn, getattr(HookType, kind))
+
+    return install
 
 
 HOOK_KV_POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool"
+HOOK_VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request"
+HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
+HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
+
 
 def _install_quantization():
     """`w8a8_ascend` in SGLang's quantization table (a plain dict: no register function exists,
@@ -178,5 +131,14 @@ COMPONENTS: list = [
 
 HOOKS: list = [
     Hook("dsv4_kv_pool", HOOK_KV_POOL_TARGET,
-         ("self", "sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"), _install_kv_pool_hook),
+         ("self", "sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"),
+         _hook(HOOK_KV_POOL_TARGET, ".registrations:_build_token_to_kv_pool", "AROUND")),
+    Hook("request_validation", HOOK_VALIDATE_TARGET, ("self", "obj", "input_ids"),
+         _hook(HOOK_VALIDATE_TARGET, ".request_guard:validate_one_request_hook", "BEFORE")),
+    Hook("request_normalize_errors", HOOK_NORMALIZE_TARGET, ("self",),
+         _hook(HOOK_NORMALIZE_TARGET, ".request_guard:normalize_hook", "AROUND")),
+    Hook("http_request_gate", HOOK_HTTP_TARGET,
+         ("server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
+          "run_detokenizer_process_func", "execute_warmup_func", "launch_callback"),
+         _hook(HOOK_HTTP_TARGET, ".request_guard:add_request_gate", "BEFORE")),
 ]

@@ -93,6 +93,11 @@ class DSV4Model(nn.Module):
         `aux`: if a dict, receives "streams" [T, hc_mult, d] (pre-head mHC streams, for NextN) and
         "layer_streams" (list of each layer's output streams, for DSpark target features)."""
         _check_batch(input_ids, positions, segments, cache)
+        # The request boundary refuses such ids (request_guard); this is the last line, without a
+        # host sync: an error here instead of an out-of-bounds gather (on CPU a RuntimeError
+        # naming the range; on an accelerator a device-side assertion).
+        torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
+                            f"DSV4Model: input_ids outside the vocabulary [0, {self.cfg.vocab_size})")
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         layer_streams = []
         for layer in self.layers:

@@ -1,0 +1,281 @@
+"""Request validation at the server boundary: what a request may ask, checked before it reaches
+the scheduler, refused with a 4xx that names the field and the allowed range.
+
+One bad request must never take the server down. Stock SGLang 0.5.23 lets through requests that
+crash the scheduler process, and with it every other request in flight:
+
+* `input_ids` outside [0, vocab): the embedding gather indexes out of bounds (an IndexError on
+  CPU; on an accelerator an out-of-range gather can read garbage or fault the device);
+* `top_logprobs_num` (OpenAI: completions `logprobs`, chat `top_logprobs`) above the vocabulary:
+  `topk` in SGLang's logprob processor raises "selected index k out of range".
+
+Other requests are accepted and answered as if they said something else (the DeepSeek-V4 model
+ignores `input_embeds`; `text` together with `input_ids` silently uses the ids), or cost every
+other user a long stall (a multi-megabyte body spends seconds in the tokenizer before it is
+refused; `n=1000` runs a thousand generations). Those are refused too, with documented,
+configurable limits:
+
+    SGLANG_DSV4_MAX_REQUEST_BYTES   largest HTTP request body (default: max(1 MiB, 32 bytes per
+                                    context token)); bigger bodies get 413 before they are read
+    SGLANG_DSV4_MAX_N               largest `n` (parallel samples) per request (default 64)
+
+Where the checks run (all written down in patches/README.md):
+* `check_request` is called by a BEFORE hook on `TokenizerManager._validate_one_request`, the
+  one per-request validation step SGLang runs for single, batched, OpenAI completion and chat
+  requests, after tokenization and before anything is sent to the scheduler. A ValueError there
+  becomes SGLang's own 400 response.
+* `normalize_hook` wraps `GenerateReqInput.normalize_batch_and_arguments`, which only reshapes
+  the client's fields: an error there is the client's and becomes a 400, not a 500.
+* `RequestGate` is an ASGI middleware added to SGLang's FastAPI app when the HTTP server
+  launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
+  SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
+  object belongs) gets a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MAX_N_ENV = "SGLANG_DSV4_MAX_N"
+MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
+DEFAULT_MAX_N = 64
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
+
+
+class RequestRejected(ValueError):
+    """A request the server will not run; SGLang answers ValueErrors from validation with 400."""
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+def max_n() -> int:
+    return _env_int(MAX_N_ENV, DEFAULT_MAX_N)
+
+
+def max_body_bytes(context_len: int | None) -> int:
+    default = max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * int(context_len or 0))
+    return _env_int(MAX_BYTES_ENV, default)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool) -> None:
+    """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
+    be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
+
+    Checks that prevent crashes apply to every model; refusals of inputs only our DeepSeek-V4
+    model cannot honour (`dsv4`) apply to it alone."""
+    if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
+        raise RequestRejected("input_ids: the prompt is empty (a batch entry with no tokens?)")
+    if input_ids:
+        lo, hi = min(input_ids), max(input_ids)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise RequestRejected(
+                f"input_ids: token id {bad} is outside the model's vocabulary [0, {vocab_size})"
+            )
+    if getattr(obj, "return_logprob", False):
+        k = getattr(obj, "top_logprobs_num", None)
+        if k is not None and (not _is_int(k) or not 0 <= k <= vocab_size):
+            raise RequestRejected(
+                f"top_logprobs_num (OpenAI: logprobs / top_logprobs) = {k!r}: expected an integer in "
+                f"[0, {vocab_size}] (the vocabulary size)"
+            )
+        start = getattr(obj, "logprob_start_len", None)
+        n_in = len(input_ids) if input_ids is not None else 0
+        if start is not None and (not _is_int(start) or not -1 <= start < max(n_in, 1)):
+            raise RequestRejected(
+                f"logprob_start_len = {start!r}: expected -1 (output tokens only) or an integer in "
+                f"[0, {n_in}) (the prompt has {n_in} tokens)"
+            )
+    params = getattr(obj, "sampling_params", None) or {}
+    n = params.get("n", 1) if isinstance(params, dict) else 1
+    limit = max_n()
+    if n is not None and _is_int(n) and n > limit:
+        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request ({MAX_N_ENV} to change)")
+    if not dsv4:
+        return
+    if getattr(obj, "input_embeds", None) is not None:
+        raise RequestRejected(
+            "input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
+            "ignored and the answer would be for a different prompt); send text or input_ids"
+        )
+    if getattr(obj, "text", None) is not None and getattr(obj, "input_ids", None) is not None:
+        raise RequestRejected("text and input_ids: give one prompt, not both (the server would use only one)")
+
+
+def validate_one_request_hook(self, obj, input_ids):
+    """BEFORE hook on `TokenizerManager._validate_one_request(self, obj, input_ids)`."""
+    hf = self.model_config.hf_config
+    from .registrations import DSV4_ARCHS
+
+    arch = (getattr(hf, "architectures", None) or [None])[0]
+    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS)
+    return None
+
+
+_CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)
+
+
+def normalize_hook(orig, self):
+    """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
+    reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
+    escape as TypeError / IndexError / OverflowError (e.g. `n: null`, `sampling_params: []`,
+    `n: 2**63`), which become 500s; they become 400s here."""
+    try:
+        return orig(self)
+    except _CLIENT_FAULTS as e:
+        raise RequestRejected(f"malformed request (text / input_ids / sampling_params do not fit together "
+                              f"or have the wrong type): {type(e).__name__}: {e}") from e
+
+
+class RequestGate:
+    """ASGI middleware in front of SGLang's routes: POST/PUT bodies larger than `max_body_bytes()`
+    get 413 before anything parses them (Content-Length first, then what actually arrives), and
+    generation bodies of a shape SGLang's own parsing would answer with a 500 get a 400 that
+    names the field. The limit is resolved on the first request, once SGLang knows the context
+    length."""
+
+    def __init__(self, app, context_len_fn=None):
+        self.app = app
+        self.context_len_fn = context_len_fn
+        self.limit = None
+
+    def _limit(self) -> int:
+        if self.limit is None:
+            ctx = None
+            if self.context_len_fn is not None:
+                try:
+                    ctx = self.context_len_fn()
+                except Exception:  # not up yet: fall back to the fixed default for now
+                    return max_body_bytes(None)
+            self.limit = max_body_bytes(ctx)
+        return self.limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self._limit()
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(receive)
+            return await self._reject(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
+                                                 f"{limit} bytes ({MAX_BYTES_ENV} to change)")
+        # Read the (bounded) body here; a chunked one has no length header, so count what arrives.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                if message.get("more_body", False):
+                    await _drain(receive)
+                return await self._reject(send, 413, f"request body of {size}+ bytes exceeds the limit of "
+                                                     f"{limit} bytes ({MAX_BYTES_ENV} to change)")
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        error = shape_error(scope.get("path", ""), body)
+        if error is not None:
+            return await self._reject(send, 400, error)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _reject(send, status: int, message: str):
+        body = json.dumps({"object": "error", "type": "BadRequestError", "code": status, "message": message}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# Routes whose JSON body SGLang's own parsing would turn into a 500 for some wrong shapes (model
+# validators that call .get() on whatever arrives, before pydantic checks the type).
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def shape_error(path: str, body: bytes) -> str | None:
+    """The structural fault of a generation request body that stock SGLang answers with a 500
+    (an AttributeError in a model validator), or None. A body that is not JSON at all is left to
+    SGLang, which answers 400."""
+    if path not in GENERATION_ROUTES:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return f"request body: expected a JSON object, got {type(data).__name__}"
+    if path == "/generate":
+        params = data.get("sampling_params")
+        if isinstance(params, list):
+            prompts = data.get("text") if data.get("text") is not None else data.get("input_ids")
+            batch = len(prompts) if isinstance(prompts, list) and (
+                data.get("text") is not None or any(isinstance(p, list) for p in prompts)) else 1
+            if len(params) != batch or not all(isinstance(p, dict) for p in params):
+                return (f"sampling_params: a list must hold one object per prompt ({batch} here), got "
+                        f"{len(params)} entr{'y' if len(params) == 1 else 'ies'}")
+    if path == "/v1/chat/completions":
+        fmt = data.get("response_format")
+        if fmt is not None and not isinstance(fmt, dict):
+            return f"response_format: expected an object like {{'type': 'json_object'}}, got {fmt!r:.80}"
+        for key in ("json_schema", "schema"):
+            if isinstance(fmt, dict) and fmt.get(key) is not None and not isinstance(fmt[key], dict):
+                return f"response_format.{key}: expected an object, got {fmt[key]!r:.80}"
+        reasoning = data.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, (dict, str)):
+            return f"reasoning: expected an object or a string, got {reasoning!r:.80}"
+    return None
+
+
+# Up to this much of a refused body is read and dropped before the 413, so that clients which send
+# the whole body before reading the answer (urllib, requests) see the 413 rather than a broken
+# pipe; reading is cheap next to parsing and tokenizing. Past it the connection is closed.
+DRAIN_MAX_BYTES = 256 << 20
+
+
+async def _drain(receive) -> None:
+    drained = 0
+    while drained <= DRAIN_MAX_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def add_request_gate(server_args, *args, **kwargs):
+    """BEFORE hook on `http_server.launch_server`: add the middleware to SGLang's app before it
+    starts serving (Starlette refuses middleware after start)."""
+    from sglang.srt.entrypoints import http_server
+
+    if not any(m.cls is RequestGate for m in http_server.app.user_middleware):
+        http_server.app.add_middleware(
+            RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
+    return None

@@ -1,0 +1,167 @@
+"""Server settings for DeepSeek-V4 under this plugin: what we declare, what we refuse.
+
+Two SGLang seams, both registered in registrations.py:
+* `dsv4_overrides` — a model-override provider for `DeepseekV4ForCausalLM` (registered after
+  SGLang's own, so ours wins): our backend, 128-token pages, SGLang's hybrid-SWA pools and radix
+  cache off.
+* `model_adjustments` — a resolution hook around `handle_model_specific_adjustments` (the
+  override gate does not accept every field): refuses settings this plugin cannot serve yet,
+  naming the flag and what is supported, before SGLang's own DeepSeek-V4 step turns them into a
+  shape error or a bare assertion; then declares the remaining defaults (graph capture off,
+  caches in the model dtype, CPU bounds).
+
+Explicit user values are never replaced silently: a value that cannot work is refused, one we
+replace is logged with the user's value and ours.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+BACKEND_NAME = "dsv4_ascend"
+PAGE_SIZE = 128  # every compression ratio (4, 128) divides it: entries stay page-aligned
+# On CPU (RAM shared with everything else) bound the request slots and the context: SGLang's
+# req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
+# carries fixed rings. User flags still win.
+CPU_DSV4_MAX_RUNNING_REQUESTS = 16
+_SPECULATIVE_MSG = ("speculative decoding for DeepSeek-V4 is not available in sglang-dsv4-ascend yet "
+                    "(NextN and DSpark workers are planned); serve without it")
+
+
+def _raw(server_args, name):
+    """What the user passed (None when unset), before any declaration."""
+    return getattr(server_args, name, None)
+
+
+def _log_replaced(server_args, ours: dict) -> None:
+    for name, value in ours.items():
+        user = _raw(server_args, name)
+        if user is not None and user != value:
+            logger.info("dsv4_ascend: %s: your value %r is replaced by %r for DeepSeek-V4", name, user, value)
+
+
+def dsv4_overrides(server_args, hf_config) -> dict:
+    """Model-override provider: runs after SGLang's own DeepSeek-V4 provider and replaces its
+    `dsv4` backend and 256-token pages."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
+    user_page = _raw(server_args, "page_size")
+    out = {
+        "attention_backend": BACKEND_NAME,
+        "prefill_attention_backend": BACKEND_NAME,
+        "decode_attention_backend": BACKEND_NAME,
+        "page_size": user_page or PAGE_SIZE,  # an explicit multiple of 128 is kept (checked before)
+        # Our cache keeps DSV4 state per request slot; SGLang's hybrid-SWA pools would size and
+        # evict a second, unused copy.
+        "disable_hybrid_swa_memory": True,
+    }
+    if not cfg.disable_radix_cache:
+        # The radix tree shares token slots between requests, but DSV4 state (SWA ring,
+        # compressor rows, compressed entries) lives per request slot and would not come along:
+        # a prefix hit would attend to another request's (or no) history. Off until the cache
+        # can snapshot per-prefix state.
+        logger.info("dsv4_ascend: radix (prefix) cache disabled for DeepSeek-V4: its per-request "
+                    "compressor and window state is not shared through the radix tree yet")
+        out["disable_radix_cache"] = True
+    _log_replaced(server_args, {k: v for k, v in out.items() if k != "disable_radix_cache"})
+    return out
+
+
+def unsupported_settings(server_args) -> list[str]:
+    """Messages for every explicit setting DeepSeek-V4 cannot be served with here, each naming
+    the flag, the value and what is supported. Reads user input and resolved fields alike."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    out = []
+
+    def need(ok, msg):
+        if not ok:
+            out.append(msg)
+
+    need(cfg.tp_size == 1, f"--tp-size {cfg.tp_size}: tensor parallelism for DeepSeek-V4 is not "
+                           "implemented in sglang-dsv4-ascend yet; supported: 1")
+    need(cfg.pp_size == 1, f"--pp-size {cfg.pp_size}: pipeline parallelism is not supported for DeepSeek-V4; supported: 1")
+    need(cfg.dp_size == 1, f"--dp-size {cfg.dp_size}: data parallelism for DeepSeek-V4 is not implemented "
+                           "in sglang-dsv4-ascend yet; supported: 1")
+    need(cfg.attn_dp_size == 1 and not cfg.enable_dp_attention,
+         f"--enable-dp-attention / --attn-dp-size {cfg.attn_dp_size}: DP attention for DeepSeek-V4 is not "
+         "implemented in sglang-dsv4-ascend yet; supported: off")
+    need(cfg.ep_size == 1, f"--ep-size {cfg.ep_size}: expert parallelism for DeepSeek-V4 is not implemented "
+                           "in sglang-dsv4-ascend yet; supported: 1")
+    need(cfg.kv_cache_dtype == "auto",
+         f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
+         "dtype; supported: auto")
+    need((cfg.tokenizer_worker_num or 1) == 1,
+         f"--tokenizer-worker-num {cfg.tokenizer_worker_num}: extra tokenizer workers do not load SGLang "
+         "plugins, so the request validation that keeps bad requests from crashing the DeepSeek-V4 "
+         "scheduler would be missing there; supported: 1")
+    need(not cfg.speculative_algorithm, f"--speculative-algorithm {cfg.speculative_algorithm}: {_SPECULATIVE_MSG}")
+    for flag, name in (("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
+                       ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill")):
+        value = _raw(server_args, name)
+        need(value in (None, "disabled"), f"{flag} {value}: graph capture is not supported by the dsv4_ascend "
+                                          "backend yet; supported: disabled (the default for DeepSeek-V4)")
+    page = _raw(server_args, "page_size")
+    need(page is None or (page > 0 and page % PAGE_SIZE == 0),
+         f"--page-size {page}: DeepSeek-V4 pages must be a multiple of {PAGE_SIZE} tokens (every compressed "
+         f"entry must stay inside one page); use {PAGE_SIZE}, {2 * PAGE_SIZE}, ... or leave it unset ({PAGE_SIZE})")
+    chunk = _raw(server_args, "chunked_prefill_size")
+    page = page or PAGE_SIZE
+    need(chunk is None or chunk == -1 or (chunk > 0 and chunk % page == 0),
+         f"--chunked-prefill-size {chunk}: must be a multiple of the page size {page} that sglang-dsv4-ascend "
+         f"uses for DeepSeek-V4 (e.g. {page}, {16 * page}), or -1 to disable chunking")
+    return out
+
+
+def _graphs_disabled(server_args) -> dict:
+    """Declarations that turn graph capture off (an NPU or GPU platform turns it on): the
+    dsv4_ascend backend has no graph state yet, so capture would fail at startup."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    cfg = resolving_view(server_args)
+    graphs = cfg.cuda_graph_config
+    if graphs is None or all(getattr(graphs, p).backend == Backend.DISABLED for p in Phase.ALL):
+        return {}
+    for phase in Phase.ALL:
+        graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
+    logger.info("dsv4_ascend: graph capture disabled for DeepSeek-V4 (the dsv4_ascend backend runs eager "
+                "until its graph support lands)")
+    return {"cuda_graph_config": graphs, "disable_cuda_graph": True}
+
+
+def model_adjustments(server_args, previous):
+    """Resolution hook around `handle_model_specific_adjustments`."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
+
+    from .platforms.cpu import DEFAULT_MAX_TOTAL_TOKENS
+    from .registrations import DSV4_ARCHS
+
+    cfg = resolving_view(server_args)
+    hf = model_config_of(server_args).hf_config
+    if (getattr(hf, "architectures", None) or [None])[0] not in DSV4_ARCHS:
+        return previous(server_args)
+    problems = unsupported_settings(server_args)
+    if problems:
+        raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  "
+                         + "\n  ".join(problems))
+    decl = {}
+    if cfg.device == "cpu":
+        if cfg.context_length is None:
+            cap = cfg.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+            decl["context_length"] = int(min(getattr(hf, "max_position_embeddings", cap), cap))
+        if cfg.max_running_requests is None:  # read before SGLang's DeepSeek-V4 step defaults it to 256
+            decl["max_running_requests"] = CPU_DSV4_MAX_RUNNING_REQUESTS
+    previous(server_args)
+    # SGLang's DeepSeek-V4 step turns "auto" into fp8_e4m3 (bfloat16 on NPU) for its own pools;
+    # ours keep the model dtype, so the resolved value says so.
+    decl["kv_cache_dtype"] = "auto"
+    decl.update(_graphs_disabled(server_args))
+    if cfg.device == "cpu" and "context_length" in decl:
+        logger.info("dsv4_ascend on CPU: context_length=%s max_running_requests=%s (pass the flags to change)",
+                    decl["context_length"], decl.get("max_running_requests", cfg.max_running_requests))
+    declare_resolution(server_args, "sglang_dsv4_ascend", **decl)

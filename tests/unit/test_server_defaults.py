@@ -1,0 +1,128 @@
+"""Server settings for DeepSeek-V4 resolved by SGLang's own pipeline with the plugin loaded: what we
+declare (backend, pages, graphs off, caches in the model dtype, CPU bounds), what a user's explicit
+value keeps, and every unsupported setting refused with a message naming the flag. One fresh
+interpreter resolves all cases (the plugin patches process-wide state); an NPU-like run uses
+`--device npu` with SGLang's NPU memory probe stubbed, since no NPU is here."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RESOLVE = textwrap.dedent("""
+    import json, sys
+    npu = sys.argv[1] == "npu"
+    if npu:  # SGLang's NPU defaults read the device memory through torch_npu
+        import sglang.srt.hardware_backend.npu.utils as nu
+        nu.get_npu_memory_capacity = lambda *a, **k: 65536
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.arg_groups.overrides import resolving_view
+    out = []
+    for args in json.loads(sys.argv[2]):
+        try:
+            sa = prepare_server_args(args)
+            sa.resolve_once()
+            v = resolving_view(sa)
+            out.append({k: getattr(v, k) for k in (
+                "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
+                "max_running_requests", "context_length", "disable_radix_cache", "disable_cuda_graph")}
+                | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
+        except Exception as e:
+            out.append({"error": f"{type(e).__name__}: {e}"})
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def resolve(model, cases, npu=False):
+    r = subprocess.run([sys.executable, "-c", RESOLVE, "npu" if npu else "cpu",
+                        json.dumps([["--model-path", model, "--dtype", "float32", *c] for c in cases])],
+                       capture_output=True, text=True, timeout=600, env={**os.environ})
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(line[0][7:]), r.stderr
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tiny_ckpt):
+    cases = {
+        "default": [],
+        "explicit_256_requests": ["--max-running-requests", "256"],
+        "page_256": ["--page-size", "256"],
+        "page_64": ["--page-size", "64"],
+        "chunk_100": ["--chunked-prefill-size", "100"],
+        "chunk_256": ["--chunked-prefill-size", "256"],
+        "tp2": ["--tp-size", "2"],
+        "pp2": ["--pp-size", "2"],
+        "dp2": ["--dp-size", "2"],
+        "dp_attention": ["--dp-size", "2", "--enable-dp-attention"],
+        "ep2": ["--ep-size", "2"],
+        "kv_fp8": ["--kv-cache-dtype", "fp8_e4m3"],
+        "tokenizer_workers": ["--tokenizer-worker-num", "2"],
+        "speculative": ["--speculative-algorithm", "NEXTN"],
+        "graph_explicit": ["--cuda-graph-backend-decode", "full"],
+        "backend_triton": ["--attention-backend", "triton"],
+    }
+    results, log = resolve(tiny_ckpt("flash"), list(cases.values()))
+    return dict(zip(cases, results)), log
+
+
+def test_defaults_on_cpu(cpu_results):
+    r, log = cpu_results
+    d = r["default"]
+    assert d["device"] == "cpu" and d["attention_backend"] == d["decode_attention_backend"] == "dsv4_ascend"
+    assert d["page_size"] == 128 and d["kv_cache_dtype"] == "auto"  # not SGLang's fp8_e4m3 default
+    assert d["max_running_requests"] == 16 and d["context_length"] == 32768
+    assert d["disable_radix_cache"] is True and d["graphs"] == ["disabled", "disabled"]
+
+
+def test_explicit_user_values_are_kept_or_logged(cpu_results):
+    r, log = cpu_results
+    assert r["explicit_256_requests"]["max_running_requests"] == 256  # an explicit 256 is not "unset"
+    assert r["page_256"]["page_size"] == 256
+    assert "error" not in r["chunk_256"]
+    assert r["backend_triton"]["attention_backend"] == "dsv4_ascend"
+    assert "attention_backend: your value 'triton' is replaced by 'dsv4_ascend'" in log
+
+
+@pytest.mark.parametrize("case,flag", [
+    ("page_64", "--page-size 64: DeepSeek-V4 pages must be a multiple of 128"),
+    ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
+    ("tp2", "--tp-size 2: tensor parallelism for DeepSeek-V4 is not implemented"),
+    ("pp2", "--pp-size 2:"),
+    ("dp2", "--dp-size 2: data parallelism"),
+    ("dp_attention", "--enable-dp-attention / --attn-dp-size 2: DP attention"),
+    ("ep2", "--ep-size 2: expert parallelism"),
+    ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
+    ("tokenizer_workers", "--tokenizer-worker-num 2:"),
+    ("speculative", "--speculative-algorithm NEXTN: speculative decoding for DeepSeek-V4 is not available"),
+    ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
+])
+def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
+    r, _ = cpu_results
+    assert flag in r[case].get("error", ""), r[case]
+
+
+def test_npu_like_platform_gets_graphs_off_and_our_backend(tiny_ckpt):
+    """SGLang turns decode graph capture on by default and pins NPU backends to 'ascend'; the
+    dsv4_ascend backend cannot capture yet, so the same command must start with graphs off."""
+    (d,), log = resolve(tiny_ckpt("flash"), [["--device", "npu"]], npu=True)
+    assert d.get("device") == "npu", d
+    assert d["attention_backend"] == d["decode_attention_backend"] == "dsv4_ascend"
+    assert d["graphs"] == ["disabled", "disabled"] and d["disable_cuda_graph"] is True
+    assert d["kv_cache_dtype"] == "auto" and d["page_size"] == 128
+    assert "graph capture disabled for DeepSeek-V4" in log
+
+
+def test_other_models_are_left_alone(tmp_path):
+    """The DeepSeek-V4 refusals must not leak onto models the plugin does not own."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+    from tiny_llama import write_tiny_llama
+
+    (d,), _ = resolve(write_tiny_llama(str(tmp_path / "llama")), [["--page-size", "64", "--kv-cache-dtype", "bf16"]])
+    assert "error" not in d, d
+    assert d["page_size"] == 64 and d["attention_backend"] == "torch_native"
