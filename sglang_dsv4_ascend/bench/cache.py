@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-# Published architecture fields (see shared/docs/dsv4_reference.md §1.1, §1.3). Only what shapes
+# Published architecture fields (see docs/dsv4_reference.md §1.1, §1.3). Only what shapes
 # the caches matters here; the rest is filled so that the config validates.
 _COMMON = dict(num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, sliding_window=128,
                index_n_heads=64, index_head_dim=128, vocab_size=129280, n_shared_experts=1,

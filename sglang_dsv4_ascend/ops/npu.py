@@ -2,7 +2,7 @@
 
 UNVERIFIED ON NPU HARDWARE: nothing in this file has ever been run on an Ascend NPU by this
 project. The calls follow the op-plugin documentation and SGLang 0.5.23's NPU linear / MoE methods
-(shared/docs/dsv4_reference.md §4.3, §4.4); tests/device/test_npu_w8a8.py compares each one with the
+(docs/dsv4_reference.md §4.3, §4.4); tests/device/test_npu_w8a8.py compares each one with the
 plain-torch reference and is skipped where torch_npu is not installed.
 
 `torch_npu` is imported inside each function, never at module import: importing it without CANN

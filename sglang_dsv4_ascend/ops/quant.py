@@ -2,7 +2,7 @@
 
 Everything here runs on any torch device and is what the Triton kernels (`ops/triton/quant.py`)
 and the torch_npu calls (`ops/npu.py`) must reproduce. Source of the rules:
-shared/docs/dsv4_reference.md §4.4 / §4.5 (CANN ops-nn golden references, op-plugin docs).
+docs/dsv4_reference.md §4.4 / §4.5 (CANN ops-nn golden references, op-plugin docs).
 
 Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fused multiply-add):
 

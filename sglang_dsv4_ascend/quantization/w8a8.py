@@ -5,7 +5,7 @@ QuantizationConfig wraps these pieces elsewhere).
 A ModelSlim checkpoint is a HF folder plus `quant_model_description.json`: {tensor name: type} with
 types "W8A8" (static per-tensor activations), "W8A8_DYNAMIC" (per-token dynamic activations),
 "FLOAT" (kept in source precision), and metadata keys ("model_quant_type", "version", ...).
-Per quantized linear `X` (shared/docs/dsv4_reference.md §4.1):
+Per quantized linear `X` (docs/dsv4_reference.md §4.1):
 
     X.weight        int8 [N, K]          both    per-output-channel symmetric
     X.weight_scale  [N, 1] or [N]        both    s_w[n]

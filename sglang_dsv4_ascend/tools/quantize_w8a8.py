@@ -4,7 +4,7 @@
         [--calib prompts.jsonl] [--num-calib N] [--max-calib-tokens T] [--act-sym]
         [--act-percentile P] [--quantize-wo-b]
 
-Which tensors (ModelSlim's V4 recipe, shared/docs/dsv4_reference.md §4.2): attention wq_a, wq_b,
+Which tensors (ModelSlim's V4 recipe, docs/dsv4_reference.md §4.2): attention wq_a, wq_b,
 wkv, indexer wq_b and the shared experts' w1/w2/w3 get the chosen scheme; every routed expert
 w1/w2/w3 and DSpark main_proj are W8A8_DYNAMIC whatever the scheme (SGLang's NPU int8 MoE is dynamic
 only); draft (mtp.*) dense layers stay W8A8_DYNAMIC under --scheme static (the draft is not run

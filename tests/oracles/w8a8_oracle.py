@@ -1,4 +1,4 @@
-"""Independent oracles for the Ascend W8A8 bit rules (shared/docs/dsv4_reference.md §4.4 / §4.5).
+"""Independent oracles for the Ascend W8A8 bit rules (docs/dsv4_reference.md §4.4 / §4.5).
 
 Written to be obviously correct rather than fast, and never importing sglang_dsv4_ascend:
 * integer products in numpy int64 (exact: numpy's integer matmul does not go through BLAS);

@@ -32,19 +32,9 @@ BOUNDS = {"dynamic": (4.0, 0.85), "static": (6.0, 0.80)}  # (x bf16 mean-cos def
 
 
 def _calib_file(tmp_path_factory):
-    import os
+    from prompts import prompt_path
 
-    from prompts import PROMPTS_DIR
-
-    path = os.path.join(PROMPTS_DIR, "gsm8k.jsonl")
-    if os.path.exists(path):
-        return path
-    # Fallback: a few prompts written here, so the test does not depend on the shared data.
-    p = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    p.write_text("\n".join('{"turns": ["%s"]}' % s for s in (
-        "Janet's ducks lay 16 eggs per day.", "def has_close_elements(numbers, threshold):",
-        "Write a persuasive email to convince your introverted friend.", "The quick brown fox")))
-    return str(p)
+    return prompt_path("gsm8k")
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +121,29 @@ def test_modules_follow_the_description(quantized):
     assert dyn.layers[0].attn.wq_a.scheme == W8A8_DYNAMIC
 
 
-def test_stacked_experts_equal_per_expert_float_dequant(quantized, tiny_ckpt):
-    """w13 = [w1 rows; w3 rows] per expert, scales alongside: dequantized, each expert's stacked
-    weights equal the tool's per-expert quantization of the float weights."""
+def test_stacked_experts_equal_the_checkpoints_per_expert_tensors(quantized):
+    """w13 = [w1 rows; w3 rows] per expert, scales alongside: each expert's stacked int8 weights and
+    scales equal the per-expert tensors stored in the ModelSlim checkpoint files (read directly,
+    not recomputed with the tool's own quantizer)."""
+    import glob
+
     from safetensors import safe_open
 
-    from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_weight
-
-    model = load_w8a8_model_from_dir(quantized("flash", "dynamic"))
+    path = quantized("flash", "dynamic")
+    stored = {}
+    for shard in glob.glob(f"{path}/*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("layers.3.ffn.experts.")})
+    model = load_w8a8_model_from_dir(path)
     ex = model.layers[3].ffn.experts
-    with safe_open(f"{tiny_ckpt('flash')}/model-00001-of-00002.safetensors", "pt") as f:
-        for e in (0, 5):
-            for proj, w, s, rows in (("w1", ex.w13_weight, ex.w13_weight_scale, slice(0, 32)),
-                                     ("w3", ex.w13_weight, ex.w13_weight_scale, slice(32, 64)),
-                                     ("w2", ex.w2_weight, ex.w2_weight_scale, slice(0, 64))):
-                wq, sc, _, _ = quantize_weight(f.get_tensor(f"layers.3.ffn.experts.{e}.{proj}.weight"))
-                assert torch.equal(w[e, rows], wq) and torch.equal(s[e, rows], sc[:, 0])
+    for e in (0, 5):
+        for proj, w, s, rows in (("w1", ex.w13_weight, ex.w13_weight_scale, slice(0, 32)),
+                                 ("w3", ex.w13_weight, ex.w13_weight_scale, slice(32, 64)),
+                                 ("w2", ex.w2_weight, ex.w2_weight_scale, slice(0, 64))):
+            p = f"layers.3.ffn.experts.{e}.{proj}"
+            assert stored[p + ".weight"].dtype == torch.int8
+            assert torch.equal(w[e, rows], stored[p + ".weight"])
+            assert torch.equal(s[e, rows], stored[p + ".weight_scale"].float().flatten())
 
 
 def _perturbed_logits(path, mutate):
