@@ -116,10 +116,13 @@ def _bad(name, value, expected):
 
 def _parse_ratios(src, n_layers: int, n_draft: int):
     ratios = _get(src, "compress_ratios", None)
-    if ratios:  # raw config.json (or SGLang's own config class)
-        ratios = [int(r) for r in ratios]
-        if len(ratios) < n_layers:
-            raise _bad("compress_ratios", ratios, f"at least num_hidden_layers={n_layers} entries")
+    if ratios is not None:  # raw config.json (or SGLang's own config class)
+        want = n_layers + n_draft
+        if not isinstance(ratios, (list, tuple)) or len(ratios) != want or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in ratios):
+            raise _bad("compress_ratios", ratios,
+                       f"a list of {want} integers (num_hidden_layers={n_layers} main-layer entries, each one of "
+                       f"{VALID_RATIOS}, then num_nextn_predict_layers={n_draft} draft entries, each 0)")
         return tuple(ratios[:n_layers]), tuple(ratios[n_layers:])
     layer_types = _get(src, "layer_types", None)
     if layer_types is None:
@@ -163,13 +166,13 @@ def _rope_from_dict(d: Mapping, theta: float, dim: int) -> RopeParams:
         theta=theta,
         dim=dim,
         yarn=True,
-        factor=float(d["factor"]) if d.get("factor") is not None else 0.0,  # 0 -> derived below
-        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
-        beta_fast=float(d.get("beta_fast") or 32),
-        beta_slow=float(d.get("beta_slow") or 1),
-        truncate=bool(d.get("truncate", True)),
+        factor=float(_get(d, "factor", 0.0)),  # absent -> derived below; an explicit 0 is refused
+        original_max_position_embeddings=int(_get(d, "original_max_position_embeddings")),
+        beta_fast=float(_get(d, "beta_fast", 32.0)),
+        beta_slow=float(_get(d, "beta_slow", 1.0)),
+        truncate=bool(_get(d, "truncate", True)),
         # V4 forces 1.0 (HF does the same) instead of YaRN's 0.1*ln(factor)+1 magnitude factor.
-        attention_factor=float(d.get("attention_factor") or 1.0),
+        attention_factor=float(_get(d, "attention_factor", 1.0)),
     )
 
 
@@ -186,7 +189,7 @@ def _parse_rope(src, dim: int, max_pos: int):
         comp["rope_theta"] = compress_theta
     main_p = _rope_from_dict(main, rope_theta, dim)
     comp_p = _rope_from_dict(comp, compress_theta, dim)
-    if comp_p.yarn and not comp_p.factor:  # HF: factor defaults to max_pos / original
+    if comp_p.yarn and _get(comp, "factor", None) is None:  # HF: factor defaults to max_pos / original
         comp_p = RopeParams(**{**comp_p.__dict__, "factor": max_pos / comp_p.original_max_position_embeddings})
     return main_p, comp_p
 
@@ -225,7 +228,8 @@ def _parse(src) -> dict:
         o_lora_rank=int(_get(src, "o_lora_rank")),
         compress_ratios=ratios,
         hash_layers=_parse_hash(src, n_layers),
-        sliding_window=int(_get(src, "sliding_window", None) or _get(src, "window_size", 128)),
+        # Taken as written (0 is a value, refused below); absent: V4's 128 (older name window_size).
+        sliding_window=int(_get(src, "sliding_window", _get(src, "window_size", 128))),
         index_n_heads=int(_get(src, "index_n_heads")),
         index_head_dim=int(_get(src, "index_head_dim")),
         index_topk=int(_get(src, "index_topk")),
@@ -302,3 +306,5 @@ def _validate(c: DSV4Config) -> None:
             raise _bad(f"{name}.rope_theta", rp.theta, "a positive number")
         if rp.yarn and (rp.factor <= 0 or rp.original_max_position_embeddings <= 0):
             raise _bad(f"{name}.factor", rp.factor, "a positive YaRN factor and original_max_position_embeddings")
+        if rp.yarn and not 0 < rp.beta_slow <= rp.beta_fast:
+            raise _bad(f"{name}.beta_fast/beta_slow", (rp.beta_fast, rp.beta_slow), "0 < beta_slow <= beta_fast")

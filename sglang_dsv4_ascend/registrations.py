@@ -57,10 +57,11 @@ def _install_model_override():
     from sglang.srt.arg_groups.model_override_base import register_model_override
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from .server_defaults import dsv4_overrides, model_adjustments
+    from .server_defaults import checkpoint_checks, dsv4_overrides, model_adjustments
 
     for arch in DSV4_ARCHS:
         register_model_override(arch)(dsv4_overrides)
+    register_resolution_hook("handle_model_source_paths")(checkpoint_checks)
     register_resolution_hook("handle_model_specific_adjustments")(model_adjustments)
 
 

@@ -1,6 +1,9 @@
 """Server settings for DeepSeek-V4 under this plugin: what we declare, what we refuse.
 
-Two SGLang seams, both registered in registrations.py:
+Three SGLang seams, all registered in registrations.py:
+* `checkpoint_checks` — a resolution hook after `handle_model_source_paths`: a local DeepSeek-V4
+  checkpoint is validated with our messages (config fields, tokenizer files, quantization
+  files) before transformers or SGLang read it and fail with messages that point elsewhere.
 * `dsv4_overrides` — a model-override provider for `DeepseekV4ForCausalLM` (registered after
   SGLang's own, so ours wins): our backend, 128-token pages, SGLang's hybrid-SWA pools and radix
   cache off.
@@ -16,7 +19,9 @@ replace is logged with the user's value and ours.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
@@ -165,3 +170,60 @@ def model_adjustments(server_args, previous):
         logger.info("dsv4_ascend on CPU: context_length=%s max_running_requests=%s (pass the flags to change)",
                     decl["context_length"], decl.get("max_running_requests", cfg.max_running_requests))
     declare_resolution(server_args, "sglang_dsv4_ascend", **decl)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
+    """What is wrong with a local DeepSeek-V4 checkpoint for the settings `cfg`, one message each."""
+    from .config import DSV4Config
+    from .quantization.w8a8_ascend import DESCRIPTION_FILE, NAME
+
+    out = []
+    try:
+        DSV4Config.from_hf(raw)
+    except ValueError as e:
+        out.append(f"{os.path.join(model_dir, 'config.json')}: {e}")
+    tok_dir = cfg.tokenizer_path or model_dir
+    if not cfg.skip_tokenizer_init and os.path.isdir(tok_dir) and not any(
+            os.path.exists(os.path.join(tok_dir, f)) for f in TOKENIZER_FILES):
+        out.append(f"tokenizer: none of {' / '.join(TOKENIZER_FILES)} in {tok_dir} (pass --tokenizer-path DIR, or "
+                   "--skip-tokenizer-init and send input_ids)")
+    quant, has_description = cfg.quantization, os.path.exists(os.path.join(model_dir, DESCRIPTION_FILE))
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
+        out.append(f"config.json quantization_config ({method}): FP8 / FP4 released weights are not supported by "
+                   "sglang-dsv4-ascend yet; use a bf16 checkpoint or a ModelSlim W8A8 one")
+    if quant == NAME and not has_description:
+        out.append(f"--quantization {NAME}: {model_dir} has no {DESCRIPTION_FILE}, so it is not a ModelSlim W8A8 "
+                   "checkpoint; write one with `python -m sglang_dsv4_ascend.tools.quantize_w8a8 IN_DIR OUT_DIR`, "
+                   "or drop the flag to serve the float weights")
+    elif quant not in (None, NAME):
+        out.append(f"--quantization {quant}: not supported for DeepSeek-V4 by sglang-dsv4-ascend; supported: {NAME} "
+                   f"(a ModelSlim W8A8 checkpoint with {DESCRIPTION_FILE}) or none (bf16 / fp16 / fp32 weights)")
+    return out
+
+
+def checkpoint_checks(server_args, previous):
+    """Resolution hook around `handle_model_source_paths` (model path resolved, nothing parsed)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from .registrations import DSV4_ARCHS
+
+    previous(server_args)
+    cfg = resolving_view(server_args)
+    config_file = os.path.join(cfg.model_path, "config.json")
+    if not os.path.isfile(config_file):
+        return  # a hub id or a remote store: SGLang resolves it, our model validates at load
+    try:
+        with open(config_file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file}: not readable JSON ({e})") from e
+    if not isinstance(raw, dict) or (raw.get("architectures") or [None])[0] not in DSV4_ARCHS:
+        return
+    problems = checkpoint_problems(raw, cfg.model_path, cfg)
+    if problems:
+        raise ValueError(f"sglang-dsv4-ascend cannot serve the DeepSeek-V4 checkpoint at {cfg.model_path}:\n  "
+                         + "\n  ".join(problems))

@@ -26,10 +26,21 @@ def _where(name: str, file) -> str:
     return f" (file {file})" if file else ""
 
 
-def _quant_error(name: str, dtype, file) -> ValueError:
+_QUANT_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                   "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+_PACKED_DTYPES = (torch.int8, torch.uint8)  # FP4 experts ship packed two per byte
+
+
+def _dtype_error(name: str, dtype, file) -> ValueError:
+    if dtype in _QUANT_DTYPES or dtype in _PACKED_DTYPES:
+        return ValueError(
+            f"tensor {name!r}{_where(name, file)} is quantized (dtype {dtype}): FP8/FP4 released weights are not "
+            "supported yet; this loader takes bf16/fp16/fp32 checkpoints (dequantize the checkpoint first) or a "
+            "ModelSlim W8A8 checkpoint with --quantization w8a8_ascend"
+        )
     return ValueError(
-        f"tensor {name!r}{_where(name, file)} is quantized (dtype {dtype}): FP8/FP4 released weights are not "
-        "supported yet; this loader takes bf16/fp16/fp32 checkpoints only (dequantize the checkpoint first)"
+        f"tensor {name!r}{_where(name, file)}: dtype {dtype} is not a checkpoint dtype; expected bf16 / fp16 / fp32 "
+        "(or a ModelSlim W8A8 checkpoint with --quantization w8a8_ascend)"
     )
 
 
@@ -57,8 +68,12 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> N
         file = file_of(name, item[2] if len(item) > 2 else None)
         if is_ignored(name):
             continue
-        if name.endswith(_QUANT_SUFFIXES) or (tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK):
-            raise _quant_error(name, tensor.dtype, file)
+        if name.endswith(_QUANT_SUFFIXES):
+            raise ValueError(f"tensor {name!r}{_where(name, file)} is a quantization scale: FP8/FP4 released weights "
+                             "are not supported yet; use a bf16/fp16/fp32 checkpoint or a ModelSlim W8A8 checkpoint "
+                             "with --quantization w8a8_ascend")
+        if tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK:
+            raise _dtype_error(name, tensor.dtype, file)
         target = targets.get(name)
         if target is None:
             raise ValueError(
@@ -66,7 +81,7 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> N
                 f"such parameter (config: {model.cfg.num_hidden_layers} layers, ratios {list(model.cfg.compress_ratios)})"
             )
         if target.is_floating_point() and not tensor.is_floating_point():
-            raise _quant_error(name, tensor.dtype, file)  # packed FP4 experts arrive as int8/uint8
+            raise _dtype_error(name, tensor.dtype, file)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"tensor {name!r}{_where(name, file)} has shape {tuple(tensor.shape)}, expected "

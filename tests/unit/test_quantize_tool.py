@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -101,8 +102,15 @@ def test_output_format(outputs, scheme):
                 assert xs.shape == (1,) and xo.shape == (1,) and xs.dtype == torch.float32
                 assert float(xo) == round(float(xo)) and -128 <= float(xo) <= 127
                 assert float(xs.bfloat16().float()) == float(xs), "input_scale is kept bf16-representable"
-                assert qb.dtype == torch.int32 and torch.equal(qb.long(), -int(xo) * wq.long().sum(1))
-                assert dq.dtype == torch.float32 and torch.equal(dq, xs * s[:, 0])
+                # What the two tensors are for, checked by their effect rather than the tool's formula:
+                # quant_bias cancels the activation offset exactly in the int32 accumulator, and
+                # deq_scale turns that accumulator back into x.W (fp32 product of both scales).
+                xq = torch.randint(-128, 128, (4, K), generator=torch.Generator().manual_seed(N))
+                acc = xq @ wq.long().t()
+                assert qb.dtype == torch.int32
+                assert torch.equal(acc + qb.long(), (xq - int(xo)) @ wq.long().t())
+                want = np.float32(float(xs)) * s[:, 0].numpy().astype(np.float32)
+                assert dq.dtype == torch.float32 and np.array_equal(dq.numpy(), want)
             else:
                 assert not any(f"{p}.{x}" in tensors for x in ("input_scale", "quant_bias", "deq_scale"))
     n_quant = sum(1 for k, v in entries.items() if v != "FLOAT" and k.endswith(".weight"))

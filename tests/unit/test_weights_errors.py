@@ -57,6 +57,15 @@ def test_unexpected_tensor(flash):
         _load(raw, extra)  # layer 0 of flash is SWA-only: no indexer
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bool])
+def test_non_checkpoint_dtype_is_named_as_such(flash, dtype):
+    """Not "quantized": a float64 / int32 weight is simply not a checkpoint dtype."""
+    _, raw, weights = flash
+    bad = _replace(weights, "layers.0.attn.wq_a.weight", torch.zeros(32, 64, dtype=dtype))
+    with pytest.raises(ValueError, match=re.escape(f"dtype {dtype} is not a checkpoint dtype; expected bf16 / fp16 / fp32")):
+        _load(raw, bad)
+
+
 @pytest.mark.parametrize(
     "name,tensor",
     [
@@ -96,15 +105,28 @@ def test_load_model_from_dir_names_the_file(flash, tmp_path):
     "field,value,pattern",
     [
         ("compress_ratios", [0, 0, 8, 128, 4, 0], r"compress_ratios\[2\]=8 is invalid; expected one of \(0, 4, 128\)"),
+        ("compress_ratios", [0, 0, 4, 128, 4, 4], r"compress_ratios\[5\] \(draft layer\)=4 is invalid; expected 0"),
+        # one message naming the field, the expected length and what each entry may be
+        ("compress_ratios", [0, 0, 4, 128, 4, 0, 0, 0],
+         r"compress_ratios=\[.*\] is invalid; expected a list of 6 integers \(num_hidden_layers=5 main-layer entries, "
+         r"each one of \(0, 4, 128\), then num_nextn_predict_layers=1 draft entries, each 0\)"),
+        ("compress_ratios", "0,0,4", r"compress_ratios='0,0,4' is invalid; expected a list of 6 integers"),
+        ("sliding_window", 0, r"sliding_window=0 is invalid; expected a positive integer"),  # 0 is a value, not "unset"
+        ("swiglu_limit", -1.0, r"swiglu_limit=-1\.0 is invalid; expected a number >= 0 \(0 disables the clamp\)"),
+        ("swiglu_limit", 0.0, None),  # documented: 0 = no clamp
+        ("rope_scaling", {"type": "yarn", "factor": 0, "original_max_position_embeddings": 64},
+         r"rope_parameters\.compress\.factor=0\.0 is invalid"),
+        ("rope_scaling", {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 0},
+         r"beta_fast/beta_slow=\(0\.0, 1\.0\) is invalid"),
         ("index_topk", 0, r"index_topk=0 is invalid; expected a positive integer"),
         ("o_groups", 3, r"o_groups=3 is invalid; expected a divisor of num_attention_heads=4"),
         ("hc_mult", 0, r"hc_mult=0 is invalid; expected an integer >= 1"),
         ("num_experts_per_tok", 9, r"num_experts_per_tok=9 is invalid; expected 1 <= k <= n_routed_experts=8"),
         ("num_hash_layers", 6, r"num_hash_layers=6 is invalid; expected 0 <= num_hash_layers <= num_hidden_layers=5"),
-        ("compress_ratios", [0, 0, 4], r"compress_ratios=\[0, 0, 4\] is invalid; expected at least num_hidden_layers=5"),
+        ("compress_ratios", [0, 0, 4], r"compress_ratios=\[0, 0, 4\] is invalid; expected a list of 6 integers"),
         ("scoring_func", "softmax", r"scoring_func='softmax' is invalid; expected 'sqrtsoftplus'"),
         ("qk_rope_head_dim", 15, r"qk_rope_head_dim=15 is invalid; expected an even number"),
-        ("num_nextn_predict_layers", 1, None),  # control: a valid change passes
+        ("index_topk", 2, None),  # control: a valid change passes
     ],
 )
 def test_bad_config_field(flash, field, value, pattern):
