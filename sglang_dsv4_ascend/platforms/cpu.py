@@ -12,18 +12,22 @@ class structure (defaults, pools, workers) as a subclass of SGLang's NPU platfor
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+from .threads import THREADS_ENV, scheduler_threads
 
 logger = logging.getLogger(__name__)
 
 # Uncapped, SGLang sizes the KV pool from "free device memory" = free RAM (measured: 15 GB for a
 # tiny model). A CPU server shares RAM with everything else, so cap it unless the user chose.
 DEFAULT_MAX_TOTAL_TOKENS = 32768
-
-
+# An idle scheduler polls its sockets in a busy loop: one full core per server with no requests
+# (measured 1.01 cores on the 2-core CI machine; 0.01-0.02 with --sleep-on-idle, same throughput).
+SLEEP_ON_IDLE_ENV = "SGLANG_DSV4_CPU_SLEEP_ON_IDLE"  # 0 keeps SGLang's busy polling
 class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
     """CpuDeviceMixin supplies memory from psutil and the gloo backend; SRTPlatform's defaults
     already give a CPU group coordinator, the "native" dispatch key and no speculative workers."""
@@ -50,10 +54,23 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             server_args.attention_backend = "torch_native"
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
+        if not getattr(server_args, "sleep_on_idle", False) and os.environ.get(SLEEP_ON_IDLE_ENV, "1") != "0":
+            server_args.sleep_on_idle = True
+            logger.info("CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
+                        "core; %s=0 to keep SGLang's polling)", SLEEP_ON_IDLE_ENV)
         if getattr(server_args, "max_total_tokens", None) is None:
             server_args.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
             logger.info("CPU reference platform: capping the KV pool at %d tokens "
                         "(--max-total-tokens to change)", DEFAULT_MAX_TOTAL_TOKENS)
+
+    def post_load_model(self, model) -> None:
+        """In each scheduler process, after the model is loaded: its intra-op thread count."""
+        import torch
+
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        n = scheduler_threads(ranks=ranks)
+        torch.set_num_threads(n)
+        logger.info("CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n, THREADS_ENV)
 
     def get_default_attention_backend(self) -> str:
         return "torch_native"

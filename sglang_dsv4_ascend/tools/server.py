@@ -128,3 +128,43 @@ class SGLangServer:
 
     def server_info(self) -> dict:
         return json.loads(self.get("/get_server_info")[1])
+
+
+def process_tree(pid: int) -> list:
+    """pid and all its descendants (Linux /proc)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pids) -> float:
+    """User + system CPU time consumed so far by `pids` (exited ones count as 0)."""
+    ticks = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cores(srv: "SGLangServer", seconds: float = 5.0) -> float:
+    """Average cores the server's processes use over `seconds` (call it while nothing is sent)."""
+    pids = process_tree(srv.proc.pid)
+    c0, t0 = cpu_seconds(pids), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pids) - c0) / (time.monotonic() - t0)

@@ -97,3 +97,16 @@ def test_hook_signature_mismatch_is_refused():
     missing = Hook("probe", "json:nope", (), lambda: None)
     with pytest.raises(UnsupportedSGLang, match="not found"):
         missing.check()
+
+
+def test_scheduler_threads_leave_a_core_for_the_serving_processes(monkeypatch):
+    from sglang_dsv4_ascend.platforms.threads import THREADS_ENV, scheduler_threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert [scheduler_threads(c) for c in (1, 2, 3, 16)] == [1, 1, 2, 15]
+    assert scheduler_threads(16, ranks=2) == 7 and scheduler_threads(2, ranks=4) == 1
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert scheduler_threads(2) == 3
+    monkeypatch.setenv(THREADS_ENV, "0")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_CPU_THREADS='0': expected a positive integer"):
+        scheduler_threads(2)
