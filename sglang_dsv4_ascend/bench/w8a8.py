@@ -9,8 +9,8 @@ quantized per output channel to int8 exactly as tools/quantize_w8a8.py does):
   (per-token dynamic int8 activations, bf16 output), against the fp32 GEMM of the same bf16 values;
 * time (median of --reps, ms) of: fp32 GEMM, bf16 GEMM, and the reference W8A8 path
   (ops.quant.dynamic_quant + quant_matmul, bf16 out) with its two exact integer products: the
-  provable fp32/fp64 GEMM ('float') and torch._int_mm ('int_mm', what 'auto' picks on a CPU whose
-  self-check passes); plus whether the two agree bit for bit (they must).
+  provable fp32/fp64 GEMM ('float') and torch._int_mm ('int_mm'), and 'auto' with the method its timed probe chose for this (M, K) class and why
+  (`ops.quant.int8_method`); plus whether the two exact products agree bit for bit (they must).
 Families that cannot run here are listed as skipped with the reason (Triton needs a GPU: the
 interpreter is a correctness tool, far too slow to time; torch_npu needs an Ascend NPU).
 
@@ -118,8 +118,10 @@ def run(shapes, ms, reps: int, seed: int = 0) -> dict:
                     "w8a8_float_exact": _time(lambda: w8a8("float"), reps),
                 },
                 "float_exact_accumulation": "fp32 GEMM (K <= 1024)" if K <= Q.FP32_EXACT_MAX_K else "fp64 GEMM",
-                "reference_auto_uses": "int_mm" if Q.int_mm_exact_on_cpu() else "float",
             }
+            chosen = Q.int8_method(x16.device, M, K, N)  # what 'auto' runs for this shape, and why
+            row["auto"] = {"method": chosen, "why": Q.int8_choices()[Q.shape_class(x16.device, M, K, N)]["why"]}
+            row["time_ms"]["w8a8_auto"] = _time(lambda: w8a8("auto"), reps)
             try:
                 y_int = w8a8("int_mm")
                 row["time_ms"]["w8a8_torch_int_mm"] = _time(lambda: w8a8("int_mm"), reps)

@@ -55,6 +55,9 @@ reference and Triton, 'kn' + FRACTAL_NZ for the NPU.
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -156,6 +159,112 @@ def int_mm_exact_on_cpu() -> bool:
         return False
 
 
+# ----------------------------------------------------------------------------------------------
+# choosing the integer matmul: the fastest exact implementation, measured on this machine
+
+INT8_METHOD_ENV = "SGLANG_DSV4_INT8_MATMUL"  # auto (default) | int_mm | float
+M_BUCKETS = (1, 16, 256)  # decode rows, small batches / verify, prefill chunks
+PROBE_MAX_M = 32  # rows of the probe for the prefill bucket (its cost, not its ranking, grows with M)
+PROBE_MAX_N = 2048  # columns: the ranking depends on N through cache sizes, so probe near the real N
+PROBE_BUDGET_S = 2.0  # per process (each probe stays well under a second); then the float path
+_probe_spent = [0.0]
+_methods: dict = {}  # (device type, M bucket, K bucket, N bucket) -> {"method", "us", "why"}
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+
+def _bucket(v: int, buckets) -> int:
+    return next((b for b in buckets if v <= b), buckets[-1])
+
+
+def _k_bucket(K: int) -> int:
+    return 1 << max(0, K - 1).bit_length()
+
+
+def _exact_candidates(device: torch.device, K: int) -> dict:
+    """name -> fn(xq [M, K], wk [K, N]) for the exact int8 GEMMs available for K on `device`.
+    `_int_mm` counts only on CPU after its self-check (its CUDA kernel has shape rules of its own;
+    the CUDA family's W8A8 GEMM is the Triton kernel in ops/triton/quant.py)."""
+    out = {"float": lambda x, wk: int8_matmul(x, wk, w_layout="kn", method="float")}
+    if device.type == "cpu" and INT_MM_MIN_K <= K <= INT32_SAFE_MAX_K and int_mm_exact_on_cpu():
+        out["int_mm"] = lambda x, wk: int8_matmul(x, wk, w_layout="kn", method="int_mm")
+    return out
+
+
+def _time(fn, x, wk, beat_s: float) -> float:
+    """Best of up to three runs (after a warm-up) in microseconds; a candidate already 4x slower
+    than the best so far (`beat_s`), warm-up included, is not run again."""
+    t = time.perf_counter()
+    fn(x, wk)
+    best = time.perf_counter() - t
+    if best > 4 * beat_s:
+        return best * 1e6
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        fn(x, wk)
+        best = min(best, time.perf_counter() - t)
+        if best > 4 * beat_s:
+            break
+    return best * 1e6
+
+
+def probe_int8_method(device, m_bucket: int, K: int, N: int = PROBE_MAX_N, candidates=None) -> dict:
+    """Time every exact candidate on a synthetic [min(m, 32), K] x [K, min(N, 2048)] problem and
+    return {"method": fastest, "us": {name: microseconds}, "why": text}."""
+    device = torch.device(device)
+    candidates = candidates or _exact_candidates(device, K)
+    if len(candidates) == 1:
+        (name,) = candidates
+        return {"method": name, "us": {}, "why": f"only exact method for K={K} on {device.type}"}
+    g = torch.Generator().manual_seed(K)
+    x = torch.randint(-128, 128, (min(m_bucket, PROBE_MAX_M), K), dtype=torch.int8, generator=g).to(device)
+    n = min(N, PROBE_MAX_N)
+    wk = torch.randint(-128, 128, (K, n), dtype=torch.int8, generator=g).to(device)
+    us = {}
+    for name, fn in candidates.items():
+        us[name] = _time(fn, x, wk, min(us.values(), default=float("inf")) / 1e6)
+    best = min(us, key=us.get)
+    shown = ", ".join(f"{k} {t:.0f} us" for k, t in sorted(us.items(), key=lambda kv: kv[1]))
+    return {"method": best, "us": us, "why": f"fastest exact on a {x.shape[0]}x{K}x{n} probe: {shown}"}
+
+
+def int8_method(device, M: int, K: int, N: int) -> str:
+    """The method 'auto' resolves to for an [M, K] x [K, N] int8 GEMM on `device` (probed once per
+    shape class, logged; SGLANG_DSV4_INT8_MATMUL=int_mm|float forces one where it is exact)."""
+    device = torch.device(device)
+    forced = os.environ.get(INT8_METHOD_ENV, "auto").strip().lower()
+    if forced not in ("auto", "int_mm", "float"):
+        raise ValueError(f"{INT8_METHOD_ENV}={forced!r}: expected auto, int_mm or float")
+    if forced != "auto":
+        return forced if forced in _exact_candidates(device, K) else "float"
+    key = shape_class(device, M, K, N)
+    if key not in _methods:
+        if _probe_spent[0] >= PROBE_BUDGET_S:
+            _methods[key] = {"method": "float", "us": {}, "why": "probe budget spent: the always-exact float path"}
+        else:
+            t0 = time.perf_counter()
+            _methods[key] = probe_int8_method(device, key[1], key[2], key[3])
+            _probe_spent[0] += time.perf_counter() - t0
+        logger.info("W8A8 int8 GEMM on %s, M<=%d, K<=%d, N<=%d: %s (%s)", *key, _methods[key]["method"],
+                    _methods[key]["why"])
+    return _methods[key]["method"]
+
+
+def shape_class(device, M: int, K: int, N: int) -> tuple:
+    return (torch.device(device).type, _bucket(M, M_BUCKETS), _k_bucket(K), _k_bucket(min(N, PROBE_MAX_N)))
+
+
+def plan_int8_methods(device, shapes) -> dict:
+    """Probe every M bucket for each (K, N) of a model's W8A8 GEMMs (called once after loading, so
+    the first requests do not pay the probe); -> {(M bucket, K, N): method}."""
+    return {(m, K, N): int8_method(device, m, K, N) for K, N in sorted(set(shapes)) for m in M_BUCKETS}
+
+
+def int8_choices() -> dict:
+    """What 'auto' chose so far: {shape_class(...): {"method", "us", "why"}}."""
+    return dict(_methods)
+
+
 def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", method: str = "auto") -> torch.Tensor:
     """Exact integer product of int8 xq [M, K] and int8 weights, as float64 [M, N] holding integers.
 
@@ -174,9 +283,10 @@ def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", meth
       'int_mm' - torch._int_mm: int32 accumulation, the device's own semantics (K < 131072 so no
           int32 overflow). Exact by contract; its correctness is the backend kernel's: torch 2.14
           on CPU returns garbage for K == 1, so K < INT_MM_MIN_K (16) takes the 'float' path.
-      'auto'  - 'int_mm' on CPU when `int_mm_exact_on_cpu()` passed (measured 5-40x faster than
-          'float' on the AVX2 test machine: the float path converts the weight every call),
-          otherwise 'float'. tests/unit/test_w8a8_ops.py checks every method against an int64 oracle."""
+      'auto'  - the fastest exact method for this device, row count and K, measured once by a short
+          timed probe (`int8_method`); exactness alone does not decide: on an AVX2 CPU without
+          VNNI/AMX, `_int_mm` is exact but 4-45x slower than the float path, on AMX it is 5-40x
+          faster. tests/unit/test_w8a8_ops.py checks every method against an int64 oracle."""
     if xq.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {xq.dtype} and {w.dtype}")
     wk = w if w_layout == "kn" else w.transpose(-2, -1) if w_layout == "nk" else None
@@ -186,8 +296,7 @@ def int8_matmul(xq: torch.Tensor, w: torch.Tensor, *, w_layout: str = "nk", meth
     if wk.shape[-2] != K:
         raise ValueError(f"int8_matmul: x has K={K} but the weight ({w_layout}) has shape {tuple(w.shape)}")
     if method == "auto":
-        use_int_mm = xq.device.type == "cpu" and K <= INT32_SAFE_MAX_K and int_mm_exact_on_cpu()
-        method = "int_mm" if use_int_mm else "float"
+        method = int8_method(xq.device, xq.numel() // K, K, wk.shape[-1])
     if method == "int_mm" and K < INT_MM_MIN_K:
         method = "float"
     if method == "int_mm":
@@ -382,7 +491,9 @@ def _npu_kernels() -> QuantKernels:
                         npu.quant_matmul, npu.grouped_quant_matmul)
 
 
-_FAMILIES = {"reference": _reference_kernels, "triton": _triton_kernels, "npu": _npu_kernels}
+# 'cpu' runs the reference bit rules; its 'auto' int8 GEMM is the fastest exact method (int8_method).
+_FAMILIES = {"reference": _reference_kernels, "cpu": _reference_kernels, "triton": _triton_kernels,
+             "npu": _npu_kernels}
 
 
 @functools.lru_cache(maxsize=None)
@@ -391,7 +502,7 @@ def _kernels_cached(family: str) -> QuantKernels:
 
 
 def kernels(family: Optional[str] = None) -> QuantKernels:
-    """The W8A8 op bundle for `family` ('reference' | 'triton' | 'npu'); None = the process's
+    """The W8A8 op bundle for `family` ('reference' | 'cpu' | 'triton' | 'npu'); None = the process's
     `device.kernel_family()` (SGLANG_DSV4_FORCE_REFERENCE=1 -> 'reference')."""
     if family is None:
         from ..device import kernel_family

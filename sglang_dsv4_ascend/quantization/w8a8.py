@@ -526,9 +526,17 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
         shown = ", ".join(why(n) for n in missing[:6])
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
         raise W8A8Error(f"missing tensor(s){where(None)}: {shown}{more}")
+    shapes, device = set(), None
     for mod in model.modules():
         if isinstance(mod, (W8A8Linear, W8A8Experts)):
             mod.process_weights_after_loading()
+            if mod.kernels.family == "reference":  # the families with their own GEMMs choose no method
+                shapes |= ({(mod.in_features, mod.out_features)} if isinstance(mod, W8A8Linear)
+                       else {(mod.hidden, 2 * mod.inter), (mod.inter, mod.hidden)})
+                device = next(mod.buffers()).device
+    if shapes:
+        # Choose each GEMM shape class's fastest exact int8 method now, not in the first requests.
+        Q.plan_int8_methods(device, shapes)
 
 
 def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[dict] = None,

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -237,12 +239,87 @@ def test_int_mm_k1_bug_is_routed_around():
         np.testing.assert_array_equal(Q.int8_matmul(x, w, method=method).numpy().astype(np.int64), exact)
 
 
-def test_auto_method_choice():
+def test_auto_method_is_exact_and_bad_methods_are_named():
     x, w = _rand_i8((2, 8), 1), _rand_i8((3, 8), 2)
-    assert Q.int_mm_exact_on_cpu() in (True, False)
     assert torch.equal(Q.int8_matmul(x, w), Q.int8_matmul(x, w, method="float"))
     with pytest.raises(ValueError, match="method must be"):
         Q.int8_matmul(x, w, method="magic")
+
+
+def test_int_mm_self_check_rejects_a_wrong_kernel(monkeypatch):
+    """The self-check must catch an _int_mm that is wrong (here: int16 pair-sum saturation), and
+    a kernel that fails it is never a candidate."""
+    real = torch._int_mm
+
+    def saturating(a, b):
+        return real(a, b).clamp(-(2**15), 2**15 - 1)
+
+    Q.int_mm_exact_on_cpu.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "_int_mm", saturating)
+        assert Q.int_mm_exact_on_cpu() is False
+        assert "int_mm" not in Q._exact_candidates(torch.device("cpu"), 64)
+    finally:
+        monkeypatch.undo()
+        Q.int_mm_exact_on_cpu.cache_clear()
+    assert Q.int_mm_exact_on_cpu() is True  # the real kernel passes on this machine's torch
+
+
+def _slow(fn, seconds):
+    def run(x, wk):
+        time.sleep(seconds)
+        return fn(x, wk)
+    return run
+
+
+@pytest.mark.parametrize("slow", ["float", "int_mm"])
+def test_probe_picks_the_faster_exact_method(slow):
+    """Whichever candidate is made deliberately slow loses, whatever this CPU's natural order."""
+    cands = Q._exact_candidates(torch.device("cpu"), 256)
+    assert set(cands) == {"float", "int_mm"}
+    cands[slow] = _slow(cands[slow], 0.005)
+    got = Q.probe_int8_method("cpu", 16, 256, 256, candidates=cands)
+    assert got["method"] == ({"float", "int_mm"} - {slow}).pop()
+    assert got["us"][slow] >= 5000 and "fastest exact" in got["why"]
+
+
+def test_auto_uses_the_probe_once_per_shape_class_and_env_forces(monkeypatch):
+    calls = []
+    monkeypatch.setattr(Q, "_methods", {})
+    monkeypatch.setattr(Q, "_probe_spent", [0.0])
+
+    def fake_probe(device, m, K, N, candidates=None):
+        calls.append((m, K, N))
+        return {"method": "int_mm" if m == 1 else "float", "us": {}, "why": "test"}
+
+    monkeypatch.setattr(Q, "probe_int8_method", fake_probe)
+    assert Q.int8_method("cpu", 1, 100, 5) == "int_mm" and Q.int8_method("cpu", 1, 128, 8) == "int_mm"
+    assert Q.int8_method("cpu", 9, 100, 5) == "float" and Q.int8_method("cpu", 300, 100, 5) == "float"
+    assert calls == [(1, 128, 8), (16, 128, 8), (256, 128, 8)]  # K 100/128 and N 5/8 share classes; M 9 -> 16
+    x, w = _rand_i8((1, 100), 3), _rand_i8((5, 100), 4)
+    exact = O.int_matmul(x.numpy(), w.numpy())
+    np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), exact)
+    monkeypatch.setenv(Q.INT8_METHOD_ENV, "float")
+    assert Q.int8_method("cpu", 1, 100, 5) == "float"
+    monkeypatch.setenv(Q.INT8_METHOD_ENV, "int_mm")
+    assert Q.int8_method("cpu", 1, 8, 5) == "float"  # forced, but not exact for K < 16: never used there
+    monkeypatch.setenv(Q.INT8_METHOD_ENV, "fast")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_INT8_MATMUL='fast'"):
+        Q.int8_method("cpu", 1, 100, 5)
+
+
+def test_probe_budget_bounds_the_cost(monkeypatch):
+    monkeypatch.setattr(Q, "_methods", {})
+    monkeypatch.setattr(Q, "_probe_spent", [Q.PROBE_BUDGET_S])
+    assert Q.int8_method("cpu", 16, 512, 512) == "float"
+    assert "budget" in Q.int8_choices()[("cpu", 16, 512, 512)]["why"]
+
+
+def test_real_probe_is_bounded_and_exact():
+    t0 = time.perf_counter()
+    got = Q.probe_int8_method("cpu", 256, 4096, 32768)
+    assert time.perf_counter() - t0 < 1.0  # DSV4-Flash's largest K and N on this path: under a second
+    assert got["method"] in got["us"]
 
 
 @HYP
