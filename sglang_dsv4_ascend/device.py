@@ -32,7 +32,9 @@ def force_reference() -> bool:
 
 
 def kernel_family() -> str:
-    """'reference', 'triton' or 'npu': which implementation family the hot ops use."""
+    """'reference', 'cpu', 'triton' or 'npu': which implementation family the hot ops use.
+    'cpu' is the reference with dispatch-bound ops compiled (ops/scripted.py) and W8A8 GEMMs on
+    the fastest exact method for the machine; 'reference' is the plain definition everywhere."""
     if force_reference():
         return "reference"
     fam = device_family()
@@ -40,4 +42,4 @@ def kernel_family() -> str:
         return "npu"
     if fam == "cuda":
         return "triton"
-    return "reference"
+    return "cpu"

@@ -3,8 +3,9 @@
 Model code imports ops from here (`from sglang_dsv4_ascend import ops; ops.rms_norm(...)`), never
 from an implementation module. Each name is bound once, at import, to the implementation of the
 kernel family `device.kernel_family()` picks: the plain-torch reference (`reference.py`, the
-definition, CPU and `SGLANG_DSV4_FORCE_REFERENCE=1`), Triton kernels on CUDA (`triton/`), or
-torch_npu calls on Ascend (`npu.py`). Ops without a faster implementation for the active family
+definition, `SGLANG_DSV4_FORCE_REFERENCE=1`), the reference with its dispatch-bound pieces run
+as TorchScript graphs on CPU (`scripted.py`), Triton kernels on CUDA (`triton/`), or torch_npu
+calls on Ascend (`npu.py`). Ops without a faster implementation for the active family
 stay the reference.
 """
 
@@ -29,10 +30,15 @@ _NAMES = (
 
 def _faster(family: str) -> dict:
     """{op name: implementation} that replace the reference for `family` (imported lazily)."""
-    if family == "triton":
-        from .triton.sparse_attention import sparse_attention_with_sink
+    if family in ("cpu", "triton"):
+        from . import scripted
 
-        return {"sparse_attention_with_sink": sparse_attention_with_sink}
+        out = {"mhc_weights": scripted.mhc_weights, "sinkhorn": scripted.sinkhorn}
+        if family == "triton":
+            from .triton.sparse_attention import sparse_attention_with_sink
+
+            out["sparse_attention_with_sink"] = sparse_attention_with_sink
+        return out
     if family == "npu":
         from . import npu
 

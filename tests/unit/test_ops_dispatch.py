@@ -14,7 +14,8 @@ def _bound(env, family=None):
             device.device_family.cache_clear()
             device.device_family = lambda: {family!r}
         from sglang_dsv4_ascend import ops
-        print(ops.KERNEL_FAMILY, ops.sparse_attention_with_sink.__module__, ops.rms_norm.__module__)
+        print(ops.KERNEL_FAMILY, ops.sparse_attention_with_sink.__module__, ops.rms_norm.__module__,
+              ops.mhc_weights.__module__)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, **env}, timeout=120)
@@ -22,13 +23,21 @@ def _bound(env, family=None):
     return r.stdout.split()
 
 
-def test_cpu_uses_reference():
-    fam, attn, norm = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"})
-    assert fam == "reference" and attn.endswith("ops.reference") and norm.endswith("ops.reference")
+def test_cpu_uses_reference_with_scripted_mhc_and_force_reference_undoes_it():
+    fam, attn, norm, mhc = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"})
+    assert fam == "cpu" and attn.endswith("ops.reference") and norm.endswith("ops.reference")
+    assert mhc.endswith("ops.scripted")
+    fam, _, _, mhc = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "1"})
+    assert fam == "reference" and mhc.endswith("ops.reference")
 
 
 def test_cuda_binds_triton_kernel_and_force_reference_undoes_it():
-    fam, attn, norm = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="cuda")
+    fam, attn, norm, _ = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="cuda")
     assert fam == "triton" and attn.endswith("ops.triton.sparse_attention") and norm.endswith("ops.reference")
-    fam, attn, _ = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "1"}, family="cuda")
+    fam, attn, _, _ = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "1"}, family="cuda")
     assert fam == "reference" and attn.endswith("ops.reference")
+
+
+def test_npu_keeps_the_eager_mhc():
+    fam, _, norm, mhc = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="npu")
+    assert fam == "npu" and norm.endswith("ops.npu") and mhc.endswith("ops.reference")

@@ -1,0 +1,149 @@
+"""In-process DeepSeek-V4 forward steps on the tiny model: decode at several batch sizes and
+speculative-verify widths, with the share of the step spent computing mHC coefficients, for each
+mHC implementation side by side in one run.
+
+    python -m sglang_dsv4_ascend.bench step [--preset flash|pro] [--batch 1,4,16] [--verify 1,4,8]
+                                           [--context 200] [--reps 5] [--threads N]
+
+Each request slot first holds `--context` committed tokens (one prefill each). A decode step is one
+forward of B segments of one token; a verify step is one forward of one segment of w tokens. Writes
+are deferred and dropped, so every timed step sees the same cache. The mHC share wraps
+`ops.mhc_weights` with a timer during the timed steps; "reference" is the Python loop
+(ops/reference.py), "scripted" its TorchScript graph (ops/scripted.py). Times are medians of
+`--reps` after one warm-up, in ms; ratios are to batch 1 of the same implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _build(preset: str):
+    from ..models.weights import load_model_from_dir
+    from ..tools.make_tiny_checkpoint import write_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        return load_model_from_dir(write_checkpoint(os.path.join(d, "m"), preset, "nextn"))
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+class _Timed:
+    """Wraps an op to add up the wall time spent in it."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        out = self.fn(*a, **k)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def run(preset: str, batches, widths, context: int, reps: int, impls) -> dict:
+    from .. import ops
+    from ..models.dsv4_core import Segment
+
+    model = _build(preset)
+    slots = max(batches)
+    cache = model.make_cache(slots, context + max(widths) + 1)
+    g = torch.Generator().manual_seed(0)
+    for s in range(slots):
+        ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
+        model(ids, torch.arange(context), [Segment(s, 0, context)], cache)
+
+    def step(segs):
+        ids = torch.randint(0, model.cfg.vocab_size, (sum(x.length for x in segs),), generator=g)
+        pos = torch.cat([torch.arange(x.start, x.start + x.length) for x in segs])
+        return lambda: model.compute_logits(model(ids, pos, segs, cache, pending=[]))
+
+    cases = [("decode", b, [Segment(s, context, 1) for s in range(b)]) for b in batches]
+    cases += [("verify", w, [Segment(0, context, w)]) for w in widths]
+    original = ops.mhc_weights
+    out = {}
+    try:
+        for name, impl in impls.items():
+            rows = []
+            for kind, size, segs in cases:
+                timed = _Timed(impl)
+                ops.mhc_weights = timed
+                fn = step(segs)
+                fn()  # warm-up (TorchScript profiles its first runs)
+                timed.seconds = 0.0
+                ms = _median_ms(fn, reps)
+                mhc_ms = timed.seconds * 1e3 / (reps + 1)
+                rows.append({"kind": kind, "size": size, "step_ms": round(ms, 3), "mhc_ms": round(mhc_ms, 3),
+                             "mhc_share": round(mhc_ms / ms, 3)})
+            for kind in ("decode", "verify"):
+                base = next(r["step_ms"] for r in rows if r["kind"] == kind)
+                for r in rows:
+                    if r["kind"] == kind:
+                        r["ratio_to_size_1"] = round(r["step_ms"] / base, 3)
+            out[name] = rows
+            print(f"{name}: " + ", ".join(f"{r['kind']}{r['size']} {r['step_ms']:.1f}ms (mHC {r['mhc_share']:.0%})"
+                                         for r in rows), file=sys.stderr)
+    finally:
+        ops.mhc_weights = original
+    ref = {(r["kind"], r["size"]): r["step_ms"] for r in out.get("reference", [])}
+    for name, rows in out.items():
+        for r in rows:
+            if ref:
+                r["speedup_vs_reference"] = round(ref[(r["kind"], r["size"])] / r["step_ms"], 3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="flash", choices=["flash", "pro"])
+    ap.add_argument("--batch", default="1,4,16", help="decode batch sizes")
+    ap.add_argument("--verify", default="1,4,8", help="verify widths (tokens of one request)")
+    ap.add_argument("--context", type=int, default=200, help="committed tokens per request")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    a = ap.parse_args(argv)
+    batches = [int(x) for x in a.batch.split(",") if x]
+    widths = [int(x) for x in a.verify.split(",") if x]
+    if not batches or min(batches) < 1 or not widths or min(widths) < 1 or a.context < 1 or a.reps < 1:
+        ap.error("--batch / --verify need positive sizes, --context and --reps positive integers")
+    if 1 not in batches or 1 not in widths:
+        ap.error("--batch and --verify must include 1 (the ratios are to size 1)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from .. import device
+    from ..ops import reference, scripted
+
+    t0 = time.perf_counter()
+    result = {
+        "bench": "step",
+        "config": {"preset": a.preset, "dtype": "float32", "context": a.context, "batch": batches,
+                   "verify": widths, "reps": a.reps, "threads": torch.get_num_threads(),
+                   "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
+                   "kernel_family": device.kernel_family()},
+        "results": run(a.preset, batches, widths, a.context, a.reps,
+                       {"reference": reference.mhc_weights, "scripted": scripted.mhc_weights}),
+    }
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Reference ops whose cost is per-op dispatch, not arithmetic, run as TorchScript graphs.
+
+The mHC coefficients of every sublayer (reference §1.5) are ~130 tiny ops on [T, 4, 4] tensors: a
+20-iteration Sinkhorn loop plus the mix. At decode batch sizes the arithmetic is nothing and the
+Python/dispatcher overhead is everything (measured on the 2-core CI machine: ~0.8 ms per call,
+10 calls per tiny-model step, 21 % of a batch-1 decode step). The same functions compiled with
+`torch.jit.script` run the same ops in the same order without returning to Python between them:
+bit-identical results (tests/unit/test_mhc_fused.py compares them with the Python loop), about
+2x faster per call on that machine at T <= 16 and no faster at T = 256, where arithmetic
+dominates. Compiled lazily on first use; if TorchScript is unavailable the reference runs.
+
+Bound for the 'cpu' and 'triton' kernel families; SGLANG_DSV4_FORCE_REFERENCE=1 runs the Python
+reference. Not bound on the NPU (TorchScript with torch_npu tensors is unverified there).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from . import reference
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+_compiled: dict = {}
+
+
+def _get(name: str):
+    fn = _compiled.get(name)
+    if fn is None:
+        import torch
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script's deprecation notice
+                fn = torch.jit.script(getattr(reference, name))
+        except Exception as e:  # TorchScript missing or unable to compile: the reference is the same op
+            logger.warning("TorchScript unavailable for %s (%s); using the Python reference", name, e)
+            fn = getattr(reference, name)
+        _compiled[name] = fn
+    return fn
+
+
+def sinkhorn(logits, iters: int, eps: float):
+    return _get("sinkhorn")(logits, iters, eps)
+
+
+def mhc_weights(streams, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
+    return _get("mhc_weights")(streams, fn, base, scale, n, iters, hc_eps, norm_eps)
