@@ -31,7 +31,8 @@ def main(argv=None) -> int:
 
     print(f"[demo] writing the tiny DeepSeek-V4 ({a.preset}) to {a.model_dir}", flush=True)
     write_checkpoint(a.model_dir, a.preset, "dspark")
-    print("[demo] starting the SGLang server (about 30 s on 2 CPU cores)...", flush=True)
+    print("[demo] starting the SGLang server (a minute or two on 2 CPU cores: SGLang's imports and the "
+          "model load)...", flush=True)
     t0 = time.monotonic()
     with SGLangServer(a.model_dir, *a.sglang_args) as srv:
         print(f"[demo] server up in {time.monotonic() - t0:.0f} s at {srv.url}; log: {srv.log_path}", flush=True)
