@@ -9,35 +9,50 @@ geometry and the pools.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..models.dsv4_core import Segment
+from ..models.dsv4_core import ATTENTION_ENV, Segment
 
 
 @dataclass
 class DSV4ForwardMetadata:
     segments: list  # [Segment], in token order
+    plan: object = None  # attention_backend.plan.ForwardPlan, built once per forward
+
+
+def _cpu_list(x) -> list:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 def segments_from_batch(forward_batch) -> list:
-    """Per-request (slot, start, length) from a ForwardBatch, for extend, decode and mixed modes."""
+    """Per-request (slot, start, length) from a ForwardBatch, for extend, decode and mixed modes.
+
+    Read from SGLang's CPU-side fields (seq_lens_cpu, extend_prefix_lens_cpu, extend_seq_lens_cpu)
+    so that building the geometry never waits on the device; device tensors are read only where
+    SGLang keeps no CPU copy (req_pool_indices, which SGLang itself fills from a host list)."""
     mode = forward_batch.forward_mode
     if mode.is_idle():
         return []
-    slots = forward_batch.req_pool_indices.tolist()
-    positions = forward_batch.positions
+    slots = _cpu_list(forward_batch.req_pool_indices.cpu())
     if mode.is_decode():
-        return [Segment(s, int(p), 1) for s, p in zip(slots, positions.tolist())]
-    lens = forward_batch.extend_seq_lens_cpu
-    lens = lens.tolist() if isinstance(lens, torch.Tensor) else list(lens)
-    segs, off = [], 0
-    for s, n in zip(slots, lens):
-        segs.append(Segment(s, int(positions[off]), int(n)))
-        off += n
-    return segs
+        seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
+        if seq_lens is None:  # older batches: positions are the decode rows' starts
+            seq_lens = forward_batch.positions.cpu() + 1
+        return [Segment(s, int(n) - 1, 1) for s, n in zip(slots, _cpu_list(seq_lens))]
+    lens = _cpu_list(forward_batch.extend_seq_lens_cpu)
+    prefix = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+    if prefix is None:
+        starts, off = [], 0
+        for n in lens:
+            starts.append(int(forward_batch.positions[off]))
+            off += n
+    else:
+        starts = _cpu_list(prefix)
+    return [Segment(s, int(p), int(n)) for s, p, n in zip(slots, starts, lens)]
 
 
 class DSV4AscendBackend(AttentionBackend):
@@ -46,13 +61,23 @@ class DSV4AscendBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata = None
+        # The per-segment definition (SGLANG_DSV4_ATTENTION=segments) needs no plan.
+        self.build_plans = os.environ.get(ATTENTION_ENV, "batched") == "batched"
 
     @property
     def cache(self):
         return self.token_to_kv_pool.cache
 
     def init_forward_metadata(self, forward_batch):
-        self.forward_metadata = DSV4ForwardMetadata(segments_from_batch(forward_batch))
+        """The forward's geometry, once: the segments and, for the batched path, every index table
+        the layers gather through (built on the host from CPU fields, then copied to the device)."""
+        segments = segments_from_batch(forward_batch)
+        plan = None
+        if segments and self.build_plans:
+            from .plan import build_plan
+
+            plan = build_plan(segments, self.cache)
+        self.forward_metadata = DSV4ForwardMetadata(segments, plan)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

@@ -60,9 +60,36 @@ class SegmentWrites:
 
 
 @dataclass
+class LayerWrites:
+    """What one layer of a batched forward produced: rows of every query row (in plan order) and
+    the entries the forward completed (plan.RatioPlan numbering). `store` writes them through
+    the plan's host-computed lists, optionally keeping only accepted prefixes."""
+
+    layer: int
+    plan: object
+    swa: torch.Tensor  # [T, head_dim]
+    rows: dict = field(default_factory=dict)  # name -> (kv [T, C], gate [T, C])
+    entries: dict = field(default_factory=dict)  # name -> [E, dim]
+
+    def store(self, cache: "DSV4Cache", accepted: dict | None = None) -> None:
+        lists = self.plan.writes(accepted)
+        st = cache.layers[self.layer]
+        st.kv[lists.swa_dst] = self.swa[lists.swa_src]
+        for name, (kv, gate) in self.rows.items():
+            src, dst = lists.rows[st.ratio]
+            ring_kv, ring_gate = st.rows[name]
+            ring_kv.view(-1, ring_kv.shape[-1])[dst] = kv[src]
+            ring_gate.view(-1, ring_gate.shape[-1])[dst] = gate[src]
+        for name, e in self.entries.items():
+            idx, dst = lists.entries[st.ratio]
+            st.entries[name][dst] = e[idx].to(st.entries[name].dtype)
+
+
+@dataclass
 class _LayerState:
     ratio: int
-    swa: torch.Tensor
+    kv: torch.Tensor  # [S * ring + P // ratio, head_dim]: the SWA ring rows, then the compressed entries
+    swa: torch.Tensor  # view of kv: [S, ring, head_dim]
     rows: dict  # name -> (kv ring, gate ring)
     entries: dict  # name -> [P // ratio, dim], row = token-slot id of the block's first token // ratio
 
@@ -104,7 +131,11 @@ class DSV4Cache:
         def zeros(*shape, dtype=self.dtype):
             return torch.zeros(*shape, dtype=dtype, device=self.device)
 
-        swa = zeros(S, self.window_ring, D)
+        # One tensor holds what attention reads (window rows and the layer's compressed entries), so
+        # the batched forward addresses every committed key of a layer with one index space.
+        n_swa = S * self.window_ring
+        kv = zeros(n_swa + (self.num_token_slots // ratio if ratio else 0), D)
+        swa = kv[:n_swa].view(S, self.window_ring, D)
         rows, entries = {}, {}
         if ratio:
             overlap = ratio == 4
@@ -112,11 +143,11 @@ class DSV4Cache:
             width = 2 * D if overlap else D
             # Rows stay fp32 (tiny) so an entry pooled across forwards equals one pooled in one pass.
             rows[COMPRESSOR] = (zeros(S, ring, width, dtype=torch.float32), zeros(S, ring, width, dtype=torch.float32))
-            entries[COMPRESSOR] = zeros(self.num_token_slots // ratio, D)
+            entries[COMPRESSOR] = kv[n_swa:]
             if overlap:
                 rows[INDEXER] = (zeros(S, ring, 2 * Di, dtype=torch.float32), zeros(S, ring, 2 * Di, dtype=torch.float32))
                 entries[INDEXER] = zeros(self.num_token_slots // ratio, Di)
-        return _LayerState(ratio, swa, rows, entries)
+        return _LayerState(ratio, kv, swa, rows, entries)
 
     def rows_ring(self, ratio: int) -> int:
         """Rows a compressor must remember: its incomplete block(s), plus the speculative slack."""
@@ -173,7 +204,10 @@ class DSV4Cache:
     def apply(self, pending: list, accepted: dict | None = None) -> None:
         """Store deferred writes; `accepted[slot] = n` keeps only that segment's first n positions."""
         for w in pending:
-            self.write(w if accepted is None or w.slot not in accepted else w.prefix(accepted[w.slot]))
+            if isinstance(w, LayerWrites):
+                w.store(self, accepted)
+            else:
+                self.write(w if accepted is None or w.slot not in accepted else w.prefix(accepted[w.slot]))
 
     def reset_slot(self, slot: int) -> None:
         """Forget a request: its rings and the entries its token slots map to. Not needed for

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..attention_backend.cache import COMPRESSOR, INDEXER, SegmentWrites
+from ..attention_backend.cache import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
+from ..ops.reference import Source
 from . import RMSNorm
 from .compressor import Compressor
 from .indexer import Indexer
@@ -46,12 +47,69 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, D, dtype, device) if self.ratio else None
         self.indexer = Indexer(cfg, dtype, device) if self.ratio == 4 else None
 
-    def forward(self, x, positions, segments, cache, pending: list | None = None) -> torch.Tensor:
+    def _project(self, x, positions):
         cos, sin = self.rotary(positions)
         q_lat = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return cos, sin, q_lat, q, kv
+
+    def _finish(self, out, cos, sin):
+        out = ops.apply_rope(out, cos, sin, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def forward(self, x, positions, segments, cache, pending: list | None = None, plan=None) -> torch.Tensor:
+        """The batched path when a `plan` (attention_backend.plan) is given, else the per-segment
+        definition (`forward_segments`), which the tests use as the oracle."""
+        if plan is None:
+            return self.forward_segments(x, positions, segments, cache, pending)
+        return self.forward_batched(x, positions, plan, cache, pending)
+
+    def forward_batched(self, x, positions, plan, cache, pending: list | None = None) -> torch.Tensor:
+        """All segments at once: a fixed number of batched ops whatever the batch holds. Keys come
+        from two pools read in place through the plan's index lists: the layer's committed store
+        (SWA ring rows, then compressed entries) and this forward's fresh rows (new SWA rows,
+        then the entries this forward completes)."""
+        cos, sin, q_lat, q, kv = self._project(x, positions)
+        st, T = cache.layers[self.layer_id], plan.T
+        n_swa = cache.num_slots * cache.window_ring
+        kv = kv.to(cache.dtype)
+        rows, entries, fresh_parts, extra = {}, {}, [kv], []
+        zeros = plan.zeros()
+        if self.compressor is not None:
+            rp = plan.ratios[self.ratio]
+            rows[COMPRESSOR] = self.compressor.project(x)
+            entries[COMPRESSOR] = self.compressor.pool_batched(rows[COMPRESSOR], st.rows[COMPRESSOR], rp,
+                                                               self.rotary, cache.dtype)
+            fresh_parts.append(entries[COMPRESSOR])
+        fresh = torch.cat(fresh_parts) if len(fresh_parts) > 1 else kv
+        if self.indexer is not None:
+            rows[INDEXER] = self.indexer.compressor.project(x)
+            entries[INDEXER] = self.indexer.compressor.pool_batched(rows[INDEXER], st.rows[INDEXER], rp,
+                                                                    self.rotary, cache.dtype)
+            qi, wi = self.indexer.queries(q_lat, x, cos, sin)
+            committed = Source(st.entries[INDEXER], rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, 4)
+            completed = Source(entries[INDEXER], rp.new_table, plan.row_seg, zeros, rp.new_hi)
+            picks_com, picks_new = self.indexer.select_batched(
+                qi, wi, committed, completed, rp, T, n_swa, plan.host_groups)
+            extra = [picks_com._replace(pool=st.kv), picks_new._replace(pool=fresh)]
+        elif self.compressor is not None:  # HCA: every visible entry
+            extra = [Source(st.kv, rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, self.ratio, n_swa),
+                     Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, None, 1, T)]
+        sources = [Source(st.kv, plan.swa_com, None, plan.swa_com_lo, plan.swa_com_hi),
+                   Source(fresh, plan.swa_fresh, None, plan.swa_fresh_lo, plan.swa_fresh_hi)] + extra
+        out = ops.sparse_attention_sources(q, sources, self.attn_sink, self.head_dim**-0.5)
+        writes = LayerWrites(self.layer_id, plan, kv, rows, entries)
+        if pending is None:
+            writes.store(cache)
+        else:
+            pending.append(writes)
+        return self._finish(out, cos, sin)
+
+    def forward_segments(self, x, positions, segments, cache, pending: list | None = None) -> torch.Tensor:
+        """The definition: each segment against the cache in turn."""
+        cos, sin, q_lat, q, kv = self._project(x, positions)
         rows = {}
         if self.compressor is not None:
             rows[COMPRESSOR] = self.compressor.project(x)
@@ -83,9 +141,7 @@ class Attention(nn.Module):
                 cache.write(w)
             else:
                 pending.append(w)
-
-        out = ops.apply_rope(out, cos, sin, inverse=True)
-        return self.wo_b(self._grouped_wo_a(out))
+        return self._finish(out, cos, sin)
 
     def _window(self, cache, seg, kv_new, positions):
         """Raw-KV pool of positions [p0, start+n) and each query's window rows in it (ascending)."""

@@ -44,28 +44,53 @@ class Compressor(nn.Module):
         block = self.ratio * (start // self.ratio)
         return max(0, block - self.ratio) if self.overlap else block
 
-    def compress(self, kv_rows, gate_rows, base: int, j0: int, j1: int, rotary, out_dtype) -> torch.Tensor:
-        """Entries j0..j1-1 from rows covering positions [base, base + len(rows)). -> [j1-j0, head_dim]."""
+    def block_positions(self, j: torch.Tensor) -> torch.Tensor:
+        """[n, Lb] positions entry j pools: with overlap the previous block then its own (2r),
+        otherwise its own block (r)."""
+        r = self.ratio
+        first = j * r - (r if self.overlap else 0)
+        return first[:, None] + torch.arange(2 * r if self.overlap else r, device=j.device)
+
+    def entries_from_blocks(self, kv, gate, ok, j: torch.Tensor, rotary, out_dtype) -> torch.Tensor:
+        """Entries from their gathered block rows: kv/gate [n, Lb, C] fp32 (`block_positions`
+        order), ok [n, Lb] False where a row does not exist (the previous block of entry 0).
+        -> [n, head_dim]: pooled, RMS-normed, roped at position j * r."""
         r, D = self.ratio, self.head_dim
-        n = j1 - j0
-        if n <= 0:
-            return kv_rows.new_zeros(0, D, dtype=out_dtype)
-        j = torch.arange(j0, j1, device=kv_rows.device)
-        cur = (j * r - base)[:, None] + torch.arange(r, device=kv_rows.device)  # [n, r] row indices
+        if j.shape[0] == 0:
+            return kv.new_zeros(0, D, dtype=out_dtype)
         ape = self.ape.float()
         if not self.overlap:
-            kv, gate = kv_rows[cur], gate_rows[cur] + ape
+            kv, gate = kv, gate + ape
         else:
-            prev = cur - r
-            has_prev = (j > 0)[:, None, None]
-            kv_prev = kv_rows[prev.clamp(min=0)][..., :D]
-            gate_prev = (gate_rows[prev.clamp(min=0)][..., :D] + ape[:, :D]).masked_fill(~has_prev, float("-inf"))
-            kv = torch.cat([kv_prev, kv_rows[cur][..., D:]], dim=1)
-            gate = torch.cat([gate_prev, gate_rows[cur][..., D:] + ape[:, D:]], dim=1)
+            gate_prev = (gate[:, :r, :D] + ape[:, :D]).masked_fill(~ok[:, :r, None], float("-inf"))
+            kv = torch.cat([kv[:, :r, :D], kv[:, r:, D:]], dim=1)
+            gate = torch.cat([gate_prev, gate[:, r:, D:] + ape[:, D:]], dim=1)
         pooled = ops.softmax_pool(kv, gate)
         normed = ops.rms_norm(pooled, self.norm.weight.float(), self.norm.eps)
         cos, sin = rotary(j * r)  # an entry sits at the position of its block's first token
         return ops.apply_rope(normed, cos, sin).to(out_dtype)
+
+    def compress(self, kv_rows, gate_rows, base: int, j0: int, j1: int, rotary, out_dtype) -> torch.Tensor:
+        """Entries j0..j1-1 from rows covering positions [base, base + len(rows)). -> [j1-j0, head_dim]."""
+        j = torch.arange(j0, max(j0, j1), device=kv_rows.device)
+        pos = self.block_positions(j)
+        ok = pos >= 0
+        idx = (pos - base).clamp(min=0)
+        return self.entries_from_blocks(kv_rows[idx], gate_rows[idx], ok, j, rotary, out_dtype)
+
+    def pool_batched(self, rows_new, ring, rp, rotary, out_dtype) -> torch.Tensor:
+        """Every entry the forward completes (plan.RatioPlan `rp`), all segments at once: block rows
+        from the committed ring (`ring` = (kv, gate) [S, Rc, C]) or this forward's `rows_new`."""
+        if rp.n_new == 0:
+            return rows_new[0].new_zeros(0, self.head_dim, dtype=out_dtype)
+        kv_new, gate_new = rows_new
+        ring_kv, ring_gate = (t.flatten(0, 1) for t in ring)
+        from_ring = rp.blk_from_ring[..., None]
+        # Rows that do not exist (before position 0) are zeroed: their weight is 0, and 0 * garbage
+        # (a never-written ring row may hold NaN) must stay 0.
+        kv = torch.where(from_ring, ring_kv[rp.blk_ring], kv_new[rp.blk_fresh]).masked_fill(~rp.blk_ok[..., None], 0.0)
+        gate = torch.where(from_ring, ring_gate[rp.blk_ring], gate_new[rp.blk_fresh])
+        return self.entries_from_blocks(kv, gate, rp.blk_ok, rp.ent_j, rotary, out_dtype)
 
     def segment_entries(self, rows_new, start: int, read_rows, rotary, out_dtype):
         """Entries completed by the tokens [start, start + n) of one request.

@@ -55,15 +55,58 @@ class MoE(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype=None, device=None):
         super().__init__()
         d, inter, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.limit = lim
         self.gate = Gate(cfg, cfg.hash_layers[layer_id], dtype, device)
         self.experts = nn.ModuleList(Expert(d, inter, lim, dtype, device) for _ in range(cfg.n_routed_experts))
         n_shared = cfg.n_shared_experts
         self.shared_experts = Expert(d, inter * n_shared, lim, dtype, device) if n_shared else None
+        self._stacked = None
+        # torch._grouped_mm needs 16-byte-aligned row strides (and exists since torch 2.8).
+        self._grouped = hasattr(torch, "_grouped_mm") and d % 8 == 0 and inter % 8 == 0
+
+    def stack_experts(self) -> None:
+        """Keep the routed experts' weights in three [E, out, in] tensors and make each expert's
+        parameters views into them (no copy kept), so that all experts run as grouped matmuls.
+        Done once after loading (and lazily before the first forward)."""
+        stacks = []
+        for name in ("w1", "w3", "w2"):
+            w = torch.stack([getattr(e, name).weight.data for e in self.experts])
+            for i, e in enumerate(self.experts):
+                getattr(e, name).weight.data = w[i]
+            stacks.append(w)
+        self._stacked = tuple(stacks)
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts as grouped matmuls over the token copies sorted by expert: the expert
+        boundaries stay on the device (offsets), so no host sync and no per-expert Python loop.
+        The combine adds each token's copies in expert order, as the per-expert definition
+        (`forward_per_expert`) does."""
+        if not self._grouped:
+            return self.forward_per_expert(y, input_ids)
+        if self._stacked is None or self._stacked[0].data_ptr() != self.experts[0].w1.weight.data_ptr():
+            self.stack_experts()
+        w1, w3, w2 = self._stacked
+        experts, weights = self.gate(y, input_ids)
+        T, k = experts.shape
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        # Copies per expert with a fixed-size scatter (bincount's output size depends on the data).
+        counts = torch.zeros(w1.shape[0], dtype=torch.int64, device=y.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        x = y[token]
+        h = ops.swiglu_clamped(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                               torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), self.limit)
+        routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float() * weights.flatten()[order, None]
+        out = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, token, routed)
+        if self.shared_experts is not None:
+            out += self.shared_experts(y).float()
+        return out.to(y.dtype)
+
+    def forward_per_expert(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The definition: loop over the experts that received tokens (host-synchronising)."""
         experts, weights = self.gate(y, input_ids)
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-        # Loop over the experts that received tokens (not over tokens): the reference dispatch.
         for e in torch.unique(experts).tolist():
             tok, slot = torch.where(experts == e)
             contrib = self.experts[e](y[tok]).float() * weights[tok, slot, None]

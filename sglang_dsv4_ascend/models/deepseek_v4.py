@@ -49,8 +49,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         from sglang.srt.model_executor.forward_context import get_attn_backend
 
         backend = get_attn_backend()
-        segments = backend.forward_metadata.segments
-        hidden = self.model(input_ids, positions, segments, backend.cache)
+        meta = backend.forward_metadata
+        plan = meta.plan if self.model.attention_impl == "batched" else None
+        hidden = self.model(input_ids, positions, meta.segments, backend.cache, plan=plan)
         return self.logits_processor(input_ids, hidden, self.model.head, forward_batch)
 
     def load_weights(self, weights):

@@ -10,6 +10,7 @@ all go through the same path.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,13 @@ from ..layers.attention import Attention
 from ..layers.mhc import hc_head, hc_post, hc_pre
 from ..layers.moe import MoE
 
-# Released in fp32 and kept in fp32 whatever the model dtype (mHC, sinks, ape, router bias).
+# Released in fp32 and kept in fp32 whatever the model dtype (mHC, sinks, ape, router bias), plus
+# the weights that are only ever used in fp32 (compressor projections, router): converted once at
+# load (exact from bf16) instead of on every step.
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias")
+                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias",
+                  "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight")
+ATTENTION_ENV = "SGLANG_DSV4_ATTENTION"  # batched (default) | segments (the per-segment definition)
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_id, dtype, device)
         self.ffn = MoE(cfg, layer_id, dtype, device)
 
-    def forward(self, streams, input_ids, positions, segments, cache, pending=None):
+    def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None):
         y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        out = self.attn(self.attn_norm(y), positions, segments, cache, pending)
+        out = self.attn(self.attn_norm(y), positions, segments, cache, pending, plan)
         streams = hc_post(streams, out, post, comb)
         y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         out = self.ffn(self.ffn_norm(y), input_ids)
@@ -76,6 +81,9 @@ class DSV4Model(nn.Module):
             want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
             if p.dtype != want:
                 p.data = p.data.to(want)
+        self.attention_impl = os.environ.get(ATTENTION_ENV, "batched")
+        if self.attention_impl not in ("batched", "segments"):
+            raise ValueError(f"{ATTENTION_ENV}={self.attention_impl!r}: expected 'batched' or 'segments'")
 
     def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int = 0, device=None):
         from ..attention_backend.cache import DSV4Cache
@@ -84,15 +92,22 @@ class DSV4Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids, positions, segments, cache, pending: list | None = None,
-                aux: dict | None = None) -> torch.Tensor:
+                aux: dict | None = None, plan=None) -> torch.Tensor:
         """Hidden states [T, d] after the hc head and final norm (feed to `compute_logits`).
 
         input_ids/positions: [T], the segments' tokens concatenated in order; positions must be
         start..start+length-1 per segment. `pending`: if a list, cache writes are appended to it
         (`SegmentWrites`, apply with `cache.apply(pending, accepted)`) instead of stored.
         `aux`: if a dict, receives "streams" [T, hc_mult, d] (pre-head mHC streams, for NextN) and
-        "layer_streams" (list of each layer's output streams, for DSpark target features)."""
+        "layer_streams" (list of each layer's output streams, for DSpark target features).
+        `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
+        the segments when absent). With `self.attention_impl = "segments"` every layer runs the
+        per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments)."""
         _check_batch(input_ids, positions, segments, cache)
+        if plan is None and self.attention_impl == "batched":
+            from ..attention_backend.plan import build_plan
+
+            plan = build_plan(segments, cache, device=input_ids.device)
         # The request boundary refuses such ids (request_guard); this is the last line, without a
         # host sync: an error here instead of an out-of-bounds gather (on CPU a RuntimeError
         # naming the range; on an accelerator a device-side assertion).
@@ -101,7 +116,7 @@ class DSV4Model(nn.Module):
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         layer_streams = []
         for layer in self.layers:
-            streams = layer(streams, input_ids, positions, segments, cache, pending)
+            streams = layer(streams, input_ids, positions, segments, cache, pending, plan)
             if aux is not None:
                 layer_streams.append(streams)
         if aux is not None:
@@ -125,9 +140,11 @@ def _check_batch(input_ids, positions, segments, cache) -> None:
     slots = [s.slot for s in segments]
     if len(set(slots)) != len(slots):
         raise ValueError(f"a slot appears twice in one forward: {slots}")
-    expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions
-    if not torch.equal(positions.cpu(), expected):
-        raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
+    # Checked where it costs nothing (CPU tensors); on a device it would be a host sync per forward.
+    if positions.device.type == "cpu":
+        expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions
+        if not torch.equal(positions, expected):
+            raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
     for s in segments:
         if not 0 <= s.slot < cache.num_slots or s.length <= 0 or s.start < 0:
             raise ValueError(f"bad segment {s}: need 0 <= slot < {cache.num_slots}, start >= 0, length > 0")

@@ -7,6 +7,8 @@ fp32; results are cast back to the activation dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,65 @@ def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, m
         ok = valid[a:b]
         # Zero the invalid rows: a 0 probability times garbage (stale or NaN rows) must stay 0.
         v = kv_pool[indices[a:b].clamp(0, max(0, kv_pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0)
+        logits = torch.einsum("thd,tkd->thk", q[a:b].float(), v) * scale
+        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+        combined = torch.cat([logits, sink.expand(b - a, H, 1)], dim=-1)
+        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        out[a:b] = torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
+    return out
+
+
+class Source(NamedTuple):
+    """Where a query's keys come from, for `sparse_attention_sources`: the keys of query t are
+    pool[table[g, k] // div + offset] with g = group[t] (t when group is None), for the k with
+    lo[t] <= k < hi[t] (and mask[t, k]). A group lets a whole request share one table row (its
+    committed entries are listed once, not once per query row); `div` lets the table be a strided
+    view of the token-slot map (entry j of a request at token_slots[slot, j r] // r)."""
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    group: Optional[torch.Tensor]
+    lo: torch.Tensor
+    hi: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    div: int = 1
+    offset: int = 0
+
+
+def source_rows(src: Source, a: int, b: int):
+    """(pool rows [b-a, K], valid [b-a, K]) of queries a..b-1 of one source."""
+    table = src.table[a:b] if src.group is None else src.table[src.group[a:b]]
+    rows = table.long() // src.div + src.offset if (src.div != 1 or src.offset) else table.long()
+    k = torch.arange(table.shape[-1], device=table.device)
+    ok = (k >= src.lo[a:b, None]) & (k < src.hi[a:b, None])
+    if src.mask is not None:
+        ok = ok & src.mask[a:b]
+    return rows, ok
+
+
+def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: int = 1 << 24):
+    """`sparse_attention_with_sink` over keys drawn from several pools (`Source`s) without
+    copying them: the keys of all sources form one softmax with the sink, in source order, so the
+    result equals the single-pool op on the concatenated key sets. Queries are processed in
+    chunks to bound memory."""
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    sources = [s for s in sources if s.table.shape[-1] > 0]
+    K = sum(s.table.shape[-1] for s in sources)
+    step = max(1, max_chunk_elems // max(1, K * max(D, H)))
+    sink = sink.float().view(1, H, 1)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        vs, oks = [], []
+        for src in sources:
+            rows, ok = source_rows(src, a, b)
+            # Zero the invalid rows: a 0 probability times garbage (stale or NaN rows) must stay 0.
+            vs.append(src.pool[rows.clamp(0, max(0, src.pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0))
+            oks.append(ok)
+        if not vs:
+            out[a:b] = 0
+            continue
+        v, ok = torch.cat(vs, dim=1), torch.cat(oks, dim=1)
         logits = torch.einsum("thd,tkd->thk", q[a:b].float(), v) * scale
         logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
         combined = torch.cat([logits, sink.expand(b - a, H, 1)], dim=-1)

@@ -38,6 +38,16 @@ def test_extend_segments_follow_extend_lens_and_positions():
     assert segments_from_batch(b)[1] == Segment(0, 128, 3)
 
 
+def test_segments_come_from_the_cpu_fields_not_device_positions():
+    """Starts are read from extend_prefix_lens_cpu / seq_lens_cpu, which SGLang keeps on the host:
+    positions (a device tensor on an accelerator) are poisoned here and must not be read."""
+    b = fb(ForwardMode.EXTEND, [2, 0], [-1] * 4, [3, 129], extend_lens=[3, 1])
+    b.extend_prefix_lens_cpu = [0, 128]
+    assert segments_from_batch(b) == [Segment(2, 0, 3), Segment(0, 128, 1)]
+    d = fb(ForwardMode.DECODE, [3, 1], [-1, -1], [41, 8])
+    assert segments_from_batch(d) == [Segment(3, 40, 1), Segment(1, 7, 1)]
+
+
 def test_mixed_batch_has_prefill_chunks_and_decode_rows():
     pos = [256, 257, 258, 259, 63, 300]
     b = fb(ForwardMode.MIXED, [5, 6, 7], pos, [260, 64, 301], extend_lens=[4, 1, 1])
@@ -91,5 +101,7 @@ def test_backend_builds_segments_once_per_forward_and_refuses_radix_attention(cf
     assert backend.cache is pool.cache
     backend.init_forward_metadata(fb(ForwardMode.DECODE, [2], [10], [11]))
     assert backend.forward_metadata.segments == [Segment(2, 10, 1)]
+    plan = backend.forward_metadata.plan  # the batched path's geometry, built here once per forward
+    assert plan.T == 1 and plan.row_slot.tolist() == [2] and plan.row_pos.tolist() == [10]
     with pytest.raises(NotImplementedError, match="does not go through RadixAttention"):
         backend.forward_extend(None, None, None, None, None)

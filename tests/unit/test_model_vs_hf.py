@@ -76,8 +76,10 @@ def _our_logits(model, ids):
     return model.compute_logits(model(ids, torch.arange(ids.shape[0]), [Segment(0, 0, ids.shape[0])], cache))
 
 
+@pytest.mark.parametrize("impl", ["batched", "segments"])
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_logits_match_hf(preset, dsv4_model, hf_model):
+def test_logits_match_hf(preset, impl, dsv4_model, hf_model, monkeypatch):
+    monkeypatch.setattr(dsv4_model(preset), "attention_impl", impl)
     model, ids = dsv4_model(preset), _ids(preset)
     assert T > 2 * 128 and T // 4 > model.cfg.index_topk and T > model.cfg.sliding_window
     torch.testing.assert_close(_our_logits(model, ids), _hf_logits(hf_model(preset), ids), atol=ATOL, rtol=RTOL)
@@ -89,6 +91,26 @@ def test_torch_topk_switch_matches_unpatched_hf(preset, dsv4_model, hf_model, mo
     ref = _hf_logits(hf_model(preset), ids, stable_ties=False)
     monkeypatch.setattr(indexer_mod, "TIE_BREAK", "torch_topk")
     torch.testing.assert_close(_our_logits(model, ids), ref, atol=ATOL, rtol=RTOL)
+
+
+def test_batched_tie_break_takes_lowest_index_across_chunks(dsv4_model, monkeypatch):
+    """The batched selection merges top-k across candidate chunks: ties (all-zero keys) must still
+    pick the lowest entries, committed before fresh, however small the chunks."""
+    from types import SimpleNamespace
+
+    from sglang_dsv4_ascend.ops.reference import Source
+
+    indexer = dsv4_model("flash").layers[2].attn.indexer
+    monkeypatch.setattr(indexer_mod, "SELECT_CHUNK_ELEMS", 3 * max(indexer.n_heads, indexer.head_dim))
+    T, n_com, n_new = 3, 13, 6
+    q, w = torch.randn(T, indexer.n_heads, indexer.head_dim), torch.randn(T, indexer.n_heads)
+    z = torch.zeros(T, dtype=torch.long)
+    com = Source(torch.zeros(n_com, indexer.head_dim), torch.arange(n_com)[None] * 4, z, z, torch.tensor([13, 2, 0]), None, 4)
+    new = Source(torch.zeros(n_new, indexer.head_dim), torch.arange(n_new)[None], z, z, torch.tensor([6, 1, 3]))
+    rp = SimpleNamespace(max_committed=n_com, max_new=n_new, com_hi=torch.tensor([13, 2, 0]))
+    a, b = indexer.select_batched(q, w, com, new, rp, T, n_swa=0)
+    picked = [sorted((a.table[t][a.mask[t]] // 4).tolist() + (b.table[t][b.mask[t]] + 100).tolist()) for t in range(T)]
+    assert picked == [[0, 1, 2, 3], [0, 1, 100], [100, 101, 102]]
 
 
 def test_tie_break_takes_lowest_index_whatever_the_entry_count(dsv4_model):
@@ -137,6 +159,7 @@ def test_rope_tables_bitwise_equal_hf(dsv4_model, hf_model):
 @pytest.mark.parametrize("preset", ["flash", "pro"])
 def test_sequences_have_no_near_ties(preset, dsv4_model, monkeypatch):
     model, gaps = dsv4_model(preset), []
+    monkeypatch.setattr(model, "attention_impl", "segments")  # the data's property; the definition's hooks
 
     def record(sorted_scores, k):  # relative gap between the k-th and (k+1)-th, exact ties excluded
         a, b = sorted_scores[:, k - 1], sorted_scores[:, k]
@@ -165,9 +188,9 @@ def test_sequences_have_no_near_ties(preset, dsv4_model, monkeypatch):
 # -- sabotage: each wrong variant must NOT match HF -------------------------------------------------
 
 
-def _select_all(self, q, w, keys, positions):
-    idx = torch.arange(keys.shape[0]).expand(q.shape[0], -1)
-    return idx, idx < ((positions + 1) // self.ratio)[:, None]
+def _select_all(self, q, w, committed, fresh, rp, T, n_swa, groups_cpu=None):
+    """Broken indexer: attend to every visible entry (HCA's rule) instead of the top-k."""
+    return (committed._replace(pool=None, offset=n_swa), fresh._replace(pool=None, offset=T))
 
 
 def _zero_compress(orig):
@@ -175,7 +198,7 @@ def _zero_compress(orig):
 
 
 def _no_sink(orig):
-    return lambda q, pool, idx, valid, sink, scale: orig(q, pool, idx, valid, torch.full_like(sink, -torch.inf), scale)
+    return lambda q, sources, sink, scale: orig(q, sources, torch.full_like(sink, -torch.inf), scale)
 
 
 def _no_inverse_rope(orig):
@@ -185,14 +208,24 @@ def _no_inverse_rope(orig):
 def _sabotage(name, model, mp):
     attns = [blk.attn for blk in model.layers]
     if name == "indexer_selects_all":
-        mp.setattr(Indexer, "select", _select_all)
+        mp.setattr(Indexer, "select_batched", _select_all)
     elif name == "compressor_zeroed":
-        mp.setattr(Compressor, "compress", _zero_compress(Compressor.compress))
+        mp.setattr(Compressor, "entries_from_blocks", _zero_compress(Compressor.entries_from_blocks))
     elif name == "no_attention_sink":
-        mp.setattr(ops, "sparse_attention_with_sink", _no_sink(ops.sparse_attention_with_sink))
+        mp.setattr(ops, "sparse_attention_sources", _no_sink(ops.sparse_attention_sources))
     elif name == "no_inverse_rope_on_output":
         mp.setattr(ops, "apply_rope", _no_inverse_rope(ops.apply_rope))
     elif name == "window_one_short":
+        import sglang_dsv4_ascend.attention_backend.plan as plan_mod
+
+        def short(segments, cache, device=None, _orig=plan_mod.build_plan):
+            p = _orig(segments, cache, device)
+            oldest = p.row_pos - (p.window - 1)  # drop it: the committed or the fresh range holds it
+            p.swa_com_lo = p.swa_com_lo + ((oldest >= 0) & (oldest < p.row_start)).long()
+            p.swa_fresh_lo = p.swa_fresh_lo + (oldest >= p.row_start).long()
+            return p
+
+        mp.setattr(plan_mod, "build_plan", short)
         for a in attns:
             mp.setattr(a, "window", a.window - 1)
     elif name == "no_yarn":

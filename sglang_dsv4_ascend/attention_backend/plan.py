@@ -1,0 +1,207 @@
+"""ForwardPlan: the geometry of one batched DeepSeek-V4 forward, built once on the host from the
+segments (CPU data only: SGLang's CPU-side batch fields) and shared by every layer, so the layers
+themselves run a fixed number of batched tensor ops whatever the mix of prefill chunks, decode
+rows and verify rows, and never read a device value back.
+
+Rows. The forward's T query rows are the segments' new tokens concatenated; row t belongs to
+segment s (request slot, start L = committed length, n new tokens), sits at position p and is row
+first(s) + (p - L) of this forward.
+
+SWA keys (every layer). Query t attends to positions q = p - W + 1 .. p (W = sliding_window), in
+that order. q < L is a committed row of the layer's ring (row slot * R + q % R of its kv store,
+R = W + spec_slack); q >= L is this forward's own new row first(s) + q - L. Both are contiguous
+ranges of the W offsets, given as [lo, hi) per row.
+
+Compressed entries of ratio r (entry j pools positions [j r, (j + 1) r); a query sees j < (p+1)//r):
+* committed, j < L // r: row token_slots[slot, j r] // r of the layer's entry store (addressed
+  through a strided view of token_slots, never copied per step);
+* completed by this forward, L // r <= j < (L + n) // r: pooled now from the compressor rows of
+  its window (positions j r - r .. j r + r - 1 with overlap (CSA), j r .. j r + r - 1 without (HCA)),
+  each taken from the committed compressor ring (position < L) or from this forward's new rows.
+  They are numbered 0..E-1 in segment order; queries list them per segment.
+
+Writes (after the layer's reads, or deferred): new SWA and compressor rows go to ring row
+slot * R + p % R, keeping only the last R rows of a long segment (older ones would be overwritten
+anyway, and two rows of one index_put must never collide); new entries go to their committed row.
+The lists are computed here, on the host, for every accepted-prefix variant a speculative caller
+asks for, so that no layer needs a data-dependent shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RatioPlan:
+    ratio: int
+    overlap: bool
+    rows_ring: int  # compressor ring size Rc (per slot)
+    n_new: int  # E: entries completed by this forward
+    max_committed: int  # max over segments of L // r
+    max_new: int  # max over segments of entries completed by this forward
+    ent_j: torch.Tensor  # [E] entry number
+    ent_pos: torch.Tensor  # [E] position of the entry (its block's first token): j * r
+    ent_row: torch.Tensor  # [E] row of the entry in the layer's entry store (offset-free)
+    blk_ring: torch.Tensor  # [E, Lb] ring row of each block position (flattened [S * Rc])
+    blk_fresh: torch.Tensor  # [E, Lb] this forward's row of each block position
+    blk_from_ring: torch.Tensor  # [E, Lb] bool: the position is committed (< L)
+    blk_ok: torch.Tensor  # [E, Lb] bool: False for the missing previous block of entry 0
+    slot_entries: torch.Tensor  # [S, ctx // r] strided view of token_slots: entry j of a slot at column j
+    com_hi: torch.Tensor  # [T] committed entries visible to the row: L // r
+    new_table: torch.Tensor  # [G, max_new] new-entry numbers of each segment
+    new_hi: torch.Tensor  # [T] new entries visible to the row: (p + 1) // r - L // r
+    # host copies for the writes
+    ent_seg_cpu: torch.Tensor = field(repr=False, default=None)
+    ent_j_cpu: torch.Tensor = field(repr=False, default=None)
+
+
+@dataclass
+class ForwardPlan:
+    segments: list
+    T: int
+    window: int
+    ring: int  # R
+    row_slot: torch.Tensor  # [T]
+    row_pos: torch.Tensor  # [T]
+    row_seg: torch.Tensor  # [T]
+    row_start: torch.Tensor  # [T] L of the row's segment
+    swa_com: torch.Tensor  # [T, W] ring rows (flattened [S * R])
+    swa_com_lo: torch.Tensor  # [T]
+    swa_com_hi: torch.Tensor  # [T]
+    swa_fresh: torch.Tensor  # [T, W] rows of this forward
+    swa_fresh_lo: torch.Tensor  # [T]
+    swa_fresh_hi: torch.Tensor  # [T]
+    ratios: dict  # ratio -> RatioPlan
+    device: object = None
+    host_groups: tuple = ()  # (row_slot, row_seg) as Python lists, for host-side decisions in layers
+    # host copies (CPU tensors) used to build write lists
+    cpu: dict = field(repr=False, default_factory=dict)
+    _writes: dict = field(repr=False, default_factory=dict)
+
+    def zeros(self) -> torch.Tensor:
+        if "zeros" not in self._writes:
+            self._writes["zeros"] = torch.zeros(self.T, dtype=torch.long, device=self.device)
+        return self._writes["zeros"]
+
+    def writes(self, accepted: dict | None = None) -> "WriteLists":
+        """Index lists for storing this forward's rows and entries; `accepted[slot] = n` keeps only
+        that segment's first n tokens (and the entries they complete). Cached per variant."""
+        key = tuple(sorted((accepted or {}).items()))
+        if key not in self._writes:
+            self._writes[key] = _write_lists(self, accepted or {})
+        return self._writes[key]
+
+
+@dataclass
+class WriteLists:
+    swa_src: torch.Tensor  # rows of this forward to store
+    swa_dst: torch.Tensor  # their ring rows (flattened [S * R])
+    rows: dict  # ratio -> (src rows, dst ring rows (flattened [S * Rc]))
+    entries: dict  # ratio -> (new-entry numbers to store, their rows in the entry store)
+
+
+def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def build_plan(segments, cache, device=None) -> ForwardPlan:
+    """The plan of one forward over `segments` (host objects) against `cache`."""
+    device = cache.device if device is None else device
+    W, R = cache.cfg.sliding_window, cache.window_ring
+    G = len(segments)
+    seg_slot = torch.tensor([s.slot for s in segments], dtype=torch.long)
+    seg_L = torch.tensor([s.start for s in segments], dtype=torch.long)
+    seg_n = torch.tensor([s.length for s in segments], dtype=torch.long)
+    seg_first = _excl_cumsum(seg_n)
+    T = int(seg_n.sum())
+    row_seg = torch.repeat_interleave(torch.arange(G), seg_n)
+    row_off = torch.arange(T) - seg_first[row_seg]
+    row_slot, row_L = seg_slot[row_seg], seg_L[row_seg]
+    row_pos = row_L + row_off
+    row_first = seg_first[row_seg]
+
+    # SWA window: offset k holds position q = p - (W - 1) + k.
+    k = torch.arange(W)
+    q = row_pos[:, None] - (W - 1) + k
+    com_lo = (W - 1 - row_pos).clamp(0, W)
+    com_hi = (row_L - row_pos + W - 1).clamp(0, W)
+    swa_com = row_slot[:, None] * R + q.clamp(min=0) % R
+    swa_fresh = (row_first[:, None] + q - row_L[:, None]).clamp(min=0)
+
+    def dev(t):
+        return t.to(device)
+
+    ratios = {}
+    for r in sorted({x for x in cache_ratios(cache) if x}):
+        ratios[r] = _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_seg, row_pos, row_L, dev)
+    plan = ForwardPlan(
+        segments=list(segments), T=T, window=W, ring=R,
+        row_slot=dev(row_slot), row_pos=dev(row_pos), row_seg=dev(row_seg), row_start=dev(row_L),
+        swa_com=dev(swa_com), swa_com_lo=dev(com_lo), swa_com_hi=dev(com_hi),
+        swa_fresh=dev(swa_fresh), swa_fresh_lo=dev(com_hi), swa_fresh_hi=dev(torch.full((T,), W)),
+        ratios=ratios, device=device, host_groups=(row_slot.tolist(), row_seg.tolist()),
+        cpu=dict(seg_slot=seg_slot, seg_L=seg_L, seg_n=seg_n, seg_first=seg_first, row_seg=row_seg,
+                 row_off=row_off, row_slot=row_slot, row_pos=row_pos),
+    )
+    return plan
+
+
+def cache_ratios(cache):
+    return {st.ratio for st in cache.layers}
+
+
+def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_seg, row_pos, row_L, dev) -> RatioPlan:
+    overlap = r == 4
+    Rc = cache.rows_ring(r)
+    j0, j1 = seg_L // r, (seg_L + seg_n) // r
+    ne = j1 - j0
+    E = int(ne.sum())
+    ent_seg = torch.repeat_interleave(torch.arange(len(seg_L)), ne)
+    ent_j = j0[ent_seg] + (torch.arange(E) - _excl_cumsum(ne)[ent_seg])
+    Lb = 2 * r if overlap else r
+    qpos = (ent_j * r - (r if overlap else 0))[:, None] + torch.arange(Lb)
+    L_e = seg_L[ent_seg][:, None]
+    blk_ok = qpos >= 0
+    blk_from_ring = qpos < L_e
+    blk_ring = seg_slot[ent_seg][:, None] * Rc + qpos.clamp(min=0) % Rc
+    blk_fresh = (seg_first[ent_seg][:, None] + qpos - L_e).clamp(min=0)
+    ts = cache.token_slots
+    ent_row = ts[dev(seg_slot[ent_seg]), dev(ent_j * r)].long() // r
+    max_new = int(ne.max()) if len(ne) else 0
+    new_table = (_excl_cumsum(ne)[:, None] + torch.arange(max_new)).clamp(max=max(E - 1, 0))
+    row_j0 = row_L // r
+    return RatioPlan(
+        ratio=r, overlap=overlap, rows_ring=Rc, n_new=E, max_committed=int(j0.max()) if len(j0) else 0,
+        max_new=max_new, ent_j=dev(ent_j), ent_pos=dev(ent_j * r), ent_row=ent_row,
+        blk_ring=dev(blk_ring), blk_fresh=dev(blk_fresh), blk_from_ring=dev(blk_from_ring), blk_ok=dev(blk_ok),
+        slot_entries=ts[:, ::r], com_hi=dev(row_j0), new_table=dev(new_table),
+        new_hi=dev((row_pos + 1) // r - row_j0), ent_seg_cpu=ent_seg, ent_j_cpu=ent_j,
+    )
+
+
+def _write_lists(plan: ForwardPlan, accepted: dict) -> WriteLists:
+    c = plan.cpu
+    n = c["seg_n"].clone()
+    for i, s in enumerate(plan.segments):
+        if s.slot in accepted:
+            n[i] = max(0, min(int(accepted[s.slot]), s.length))
+    end = c["seg_L"] + n  # committed length after this forward
+    row_end = end[c["row_seg"]]
+    stored = c["row_off"] < n[c["row_seg"]]
+
+    def ring_list(ring):
+        keep = stored & (c["row_pos"] >= row_end - ring)  # the last `ring` stored rows of each segment
+        src = torch.nonzero(keep).flatten()
+        return src.to(plan.device), (c["row_slot"][src] * ring + c["row_pos"][src] % ring).to(plan.device)
+
+    swa_src, swa_dst = ring_list(plan.ring)
+    rows, entries = {}, {}
+    for r, rp in plan.ratios.items():
+        rows[r] = ring_list(rp.rows_ring)
+        keep = rp.ent_j_cpu < end[rp.ent_seg_cpu] // r if rp.n_new else torch.zeros(0, dtype=torch.bool)
+        idx = torch.nonzero(keep).flatten().to(plan.device)
+        entries[r] = (idx, rp.ent_row[idx])
+    return WriteLists(swa_src, swa_dst, rows, entries)
