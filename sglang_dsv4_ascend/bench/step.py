@@ -1,16 +1,18 @@
 """In-process DeepSeek-V4 forward steps on the tiny model: decode at several batch sizes and
-speculative-verify widths, with the share of the step spent computing mHC coefficients, for each
-mHC implementation side by side in one run.
+speculative-verify widths, for the per-segment reference forward and the batched forward side by
+side in one run, as ratios to size 1, with host syncs per forward and the mHC share of the step.
 
-    python -m sglang_dsv4_ascend.bench step [--preset flash|pro] [--batch 1,4,16] [--verify 1,4,8]
+    python -m sglang_dsv4_ascend.bench step [--preset flash|pro] [--batch 1,4,16,64] [--verify 1,4,8]
                                            [--context 200] [--reps 5] [--threads N]
 
 Each request slot first holds `--context` committed tokens (one prefill each). A decode step is one
 forward of B segments of one token; a verify step is one forward of one segment of w tokens. Writes
-are deferred and dropped, so every timed step sees the same cache. The mHC share wraps
-`ops.mhc_weights` with a timer during the timed steps; "reference" is the Python loop
-(ops/reference.py), "scripted" its TorchScript graph (ops/scripted.py). Times are medians of
-`--reps` after one warm-up, in ms; ratios are to batch 1 of the same implementation.
+are deferred and dropped, so every timed step sees the same cache. "reference" is the definition
+(SGLANG_DSV4_ATTENTION=segments: attention, compressors and indexer per request, MoE per active
+expert); "batched" is the default path (one ForwardPlan per forward, a fixed number of batched ops
+per layer, grouped MoE), its plan built inside the timed step as the backend builds it. Host syncs
+are counted inside the layers (tools/host_sync.py) on the largest decode batch. The mHC share
+wraps `ops.mhc_weights` with a timer. Times are medians of `--reps` after one warm-up, in ms.
 """
 
 from __future__ import annotations
@@ -58,9 +60,12 @@ class _Timed:
         return out
 
 
-def run(preset: str, batches, widths, context: int, reps: int, impls) -> dict:
+def run(preset: str, batches, widths, context: int, reps: int) -> dict:
     from .. import ops
+    from ..attention_backend.plan import build_plan
+    from ..layers.moe import MoE
     from ..models.dsv4_core import Segment
+    from ..tools.host_sync import count_host_syncs
 
     model = _build(preset)
     slots = max(batches)
@@ -70,50 +75,60 @@ def run(preset: str, batches, widths, context: int, reps: int, impls) -> dict:
         ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
         model(ids, torch.arange(context), [Segment(s, 0, context)], cache)
 
-    def step(segs):
+    def step(segs, batched):
         ids = torch.randint(0, model.cfg.vocab_size, (sum(x.length for x in segs),), generator=g)
         pos = torch.cat([torch.arange(x.start, x.start + x.length) for x in segs])
-        return lambda: model.compute_logits(model(ids, pos, segs, cache, pending=[]))
+
+        def fn():
+            plan = build_plan(segs, cache) if batched else None
+            return model.compute_logits(model(ids, pos, segs, cache, pending=[], plan=plan))
+        return fn
 
     cases = [("decode", b, [Segment(s, context, 1) for s in range(b)]) for b in batches]
     cases += [("verify", w, [Segment(0, context, w)]) for w in widths]
-    original = ops.mhc_weights
-    out = {}
+    original_mhc, original_moe = ops.mhc_weights, MoE.forward
+    out, syncs = {}, {}
     try:
-        for name, impl in impls.items():
+        for name in ("reference", "batched"):
+            batched = name == "batched"
+            model.attention_impl = "batched" if batched else "segments"
+            MoE.forward = original_moe if batched else MoE.forward_per_expert
             rows = []
             for kind, size, segs in cases:
-                timed = _Timed(impl)
+                timed = _Timed(original_mhc)
                 ops.mhc_weights = timed
-                fn = step(segs)
+                fn = step(segs, batched)
                 fn()  # warm-up (TorchScript profiles its first runs)
                 timed.seconds = 0.0
                 ms = _median_ms(fn, reps)
                 mhc_ms = timed.seconds * 1e3 / (reps + 1)
                 rows.append({"kind": kind, "size": size, "step_ms": round(ms, 3), "mhc_ms": round(mhc_ms, 3),
                              "mhc_share": round(mhc_ms / ms, 3)})
+            ops.mhc_weights = original_mhc
+            with count_host_syncs(model.layers) as counts:
+                step(cases[len(batches) - 1][2], batched)()
+            syncs[name] = {"decode_batch": max(batches), "total": sum(counts.values()), "by_op": dict(counts)}
             for kind in ("decode", "verify"):
                 base = next(r["step_ms"] for r in rows if r["kind"] == kind)
                 for r in rows:
                     if r["kind"] == kind:
                         r["ratio_to_size_1"] = round(r["step_ms"] / base, 3)
             out[name] = rows
-            print(f"{name}: " + ", ".join(f"{r['kind']}{r['size']} {r['step_ms']:.1f}ms (mHC {r['mhc_share']:.0%})"
-                                         for r in rows), file=sys.stderr)
+            print(f"{name}: " + ", ".join(f"{r['kind']}{r['size']} {r['step_ms']:.1f}ms x{r['ratio_to_size_1']}"
+                                         for r in rows) + f"; host syncs {syncs[name]['total']}", file=sys.stderr)
     finally:
-        ops.mhc_weights = original
-    ref = {(r["kind"], r["size"]): r["step_ms"] for r in out.get("reference", [])}
-    for name, rows in out.items():
-        for r in rows:
-            if ref:
-                r["speedup_vs_reference"] = round(ref[(r["kind"], r["size"])] / r["step_ms"], 3)
-    return out
+        ops.mhc_weights, MoE.forward = original_mhc, original_moe
+        model.attention_impl = "batched"
+    ref = {(r["kind"], r["size"]): r["step_ms"] for r in out["reference"]}
+    for r in out["batched"]:
+        r["speedup_vs_reference"] = round(ref[(r["kind"], r["size"])] / r["step_ms"], 3)
+    return {"steps": out, "host_syncs_per_forward": syncs}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="flash", choices=["flash", "pro"])
-    ap.add_argument("--batch", default="1,4,16", help="decode batch sizes")
+    ap.add_argument("--batch", default="1,4,16,64", help="decode batch sizes")
     ap.add_argument("--verify", default="1,4,8", help="verify widths (tokens of one request)")
     ap.add_argument("--context", type=int, default=200, help="committed tokens per request")
     ap.add_argument("--reps", type=int, default=5)
@@ -128,8 +143,6 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from .. import device
-    from ..ops import reference, scripted
-
     t0 = time.perf_counter()
     result = {
         "bench": "step",
@@ -137,8 +150,7 @@ def main(argv=None) -> int:
                    "verify": widths, "reps": a.reps, "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
                    "kernel_family": device.kernel_family()},
-        "results": run(a.preset, batches, widths, a.context, a.reps,
-                       {"reference": reference.mhc_weights, "scripted": scripted.mhc_weights}),
+        "results": run(a.preset, batches, widths, a.context, a.reps),
     }
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
