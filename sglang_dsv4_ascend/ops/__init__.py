@@ -22,6 +22,7 @@ _NAMES = (
     "rope_cos_sin",
     "sinkhorn",
     "softmax_pool",
+    "sparse_attention_sources",
     "sparse_attention_with_sink",
     "sqrtsoftplus",
     "swiglu_clamped",
@@ -35,9 +36,10 @@ def _faster(family: str) -> dict:
 
         out = {"mhc_weights": scripted.mhc_weights, "sinkhorn": scripted.sinkhorn}
         if family == "triton":
-            from .triton.sparse_attention import sparse_attention_with_sink
+            from .triton.sparse_attention import sparse_attention_sources, sparse_attention_with_sink
 
             out["sparse_attention_with_sink"] = sparse_attention_with_sink
+            out["sparse_attention_sources"] = sparse_attention_sources
         return out
     if family == "npu":
         from . import npu

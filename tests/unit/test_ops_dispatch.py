@@ -14,6 +14,7 @@ def _bound(env, family=None):
             device.device_family.cache_clear()
             device.device_family = lambda: {family!r}
         from sglang_dsv4_ascend import ops
+        assert ops.sparse_attention_sources.__module__ == ops.sparse_attention_with_sink.__module__
         print(ops.KERNEL_FAMILY, ops.sparse_attention_with_sink.__module__, ops.rms_norm.__module__,
               ops.mhc_weights.__module__)
     """)
