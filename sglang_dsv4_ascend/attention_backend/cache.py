@@ -121,11 +121,16 @@ class DSV4Cache:
             raise ValueError(f"DSV4Cache: token_slots {tuple(token_slots.shape)} / num_token_slots "
                              f"{num_token_slots} must cover {num_slots} slots x {self.capacity} positions")
         self.token_slots, self.num_token_slots = token_slots, num_token_slots
+        # One scratch request slot (its rings) and one scratch entry row per store, never read by a
+        # real request: the padding rows of a static-shape plan (plan.Bucket) write there, so a
+        # padded forward has the same write lists every step without touching live state.
+        self.pad_slot = num_slots
+        self.swa_rows_total = (num_slots + 1) * self.window_ring  # kv-store rows before the entries
         ratios = cfg.compress_ratios if ratios is None else tuple(ratios)
         self.layers = [self._alloc(r) for r in ratios]
 
     def _alloc(self, ratio: int) -> _LayerState:
-        cfg, S = self.cfg, self.num_slots
+        cfg, S = self.cfg, self.num_slots + 1  # + the scratch slot
         D, Di = cfg.head_dim, cfg.index_head_dim
 
         def zeros(*shape, dtype=self.dtype):
@@ -133,8 +138,8 @@ class DSV4Cache:
 
         # One tensor holds what attention reads (window rows and the layer's compressed entries), so
         # the batched forward addresses every committed key of a layer with one index space.
-        n_swa = S * self.window_ring
-        kv = zeros(n_swa + (self.num_token_slots // ratio if ratio else 0), D)
+        n_swa = self.swa_rows_total
+        kv = zeros(n_swa + (self.pad_entry_row(ratio) + 1 if ratio else 0), D)
         swa = kv[:n_swa].view(S, self.window_ring, D)
         rows, entries = {}, {}
         if ratio:
@@ -146,8 +151,12 @@ class DSV4Cache:
             entries[COMPRESSOR] = kv[n_swa:]
             if overlap:
                 rows[INDEXER] = (zeros(S, ring, 2 * Di, dtype=torch.float32), zeros(S, ring, 2 * Di, dtype=torch.float32))
-                entries[INDEXER] = zeros(self.num_token_slots // ratio, Di)
+                entries[INDEXER] = zeros(self.pad_entry_row(ratio) + 1, Di)
         return _LayerState(ratio, kv, swa, rows, entries)
+
+    def pad_entry_row(self, ratio: int) -> int:
+        """The scratch row of a ratio's entry stores (after every token slot's entry)."""
+        return self.num_token_slots // ratio
 
     def rows_ring(self, ratio: int) -> int:
         """Rows a compressor must remember: its incomplete block(s), plus the speculative slack."""

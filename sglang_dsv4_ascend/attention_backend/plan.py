@@ -25,6 +25,13 @@ slot * R + p % R, keeping only the last R rows of a long segment (older ones wou
 anyway, and two rows of one index_put must never collide); new entries go to their committed row.
 The lists are computed here, on the host, for every accepted-prefix variant a speculative caller
 asks for, so that no layer needs a data-dependent shape.
+
+Static shapes (`Bucket`). For graph capture a decode or verify forward is padded to a bucket: T
+rows, at most `seg_tokens` per request. Every tensor of the plan then has a shape fixed by the
+bucket and the cache alone (committed-entry widths at the cache's capacity, new entries padded to
+T, write lists padded to T rows), so the layers issue the same ops on the same shapes every step.
+Padding rows see no key (their output is 0 and is discarded), and write to the cache's scratch
+slot and scratch entry rows, which no request reads.
 """
 
 from __future__ import annotations
@@ -32,6 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class Bucket:
+    rows: int  # T of the padded forward
+    seg_tokens: int  # most tokens one request has in it (1 for decode, the verify width)
 
 
 @dataclass
@@ -76,7 +89,9 @@ class ForwardPlan:
     swa_fresh_hi: torch.Tensor  # [T]
     ratios: dict  # ratio -> RatioPlan
     device: object = None
-    host_groups: tuple = ()  # (row_slot, row_seg) as Python lists, for host-side decisions in layers
+    bucket: Bucket | None = None
+    n_real: int = 0  # rows that belong to segments (the rest is bucket padding)
+    host_groups: tuple | None = None  # (row_slot, row_seg) as Python lists, for host-side decisions in layers
     # host copies (CPU tensors) used to build write lists
     cpu: dict = field(repr=False, default_factory=dict)
     _writes: dict = field(repr=False, default_factory=dict)
@@ -107,8 +122,9 @@ def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def build_plan(segments, cache, device=None) -> ForwardPlan:
-    """The plan of one forward over `segments` (host objects) against `cache`."""
+def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> ForwardPlan:
+    """The plan of one forward over `segments` (host objects) against `cache`; with a `bucket`,
+    padded to its static shapes."""
     device = cache.device if device is None else device
     W, R = cache.cfg.sliding_window, cache.window_ring
     G = len(segments)
@@ -117,43 +133,65 @@ def build_plan(segments, cache, device=None) -> ForwardPlan:
     seg_n = torch.tensor([s.length for s in segments], dtype=torch.long)
     seg_first = _excl_cumsum(seg_n)
     T = int(seg_n.sum())
+    if bucket is not None:
+        _check_bucket(bucket, segments, T, cache)
+    Tp = T if bucket is None else bucket.rows
+    P = Tp - T  # padding rows: slot 0 for reads (nothing visible), the scratch slot for writes
     row_seg = torch.repeat_interleave(torch.arange(G), seg_n)
     row_off = torch.arange(T) - seg_first[row_seg]
     row_slot, row_L = seg_slot[row_seg], seg_L[row_seg]
     row_pos = row_L + row_off
     row_first = seg_first[row_seg]
+    pad = torch.zeros(P, dtype=torch.long)
+    row_seg_p = torch.cat([row_seg, torch.full((P,), Tp)])  # a table row no segment uses
+    row_slot_p, row_pos_p, row_L_p, row_first_p = (torch.cat([x, pad]) for x in (row_slot, row_pos, row_L, row_first))
+    real = torch.arange(Tp) < T
 
     # SWA window: offset k holds position q = p - (W - 1) + k.
     k = torch.arange(W)
-    q = row_pos[:, None] - (W - 1) + k
-    com_lo = (W - 1 - row_pos).clamp(0, W)
-    com_hi = (row_L - row_pos + W - 1).clamp(0, W)
-    swa_com = row_slot[:, None] * R + q.clamp(min=0) % R
-    swa_fresh = (row_first[:, None] + q - row_L[:, None]).clamp(min=0)
+    q = row_pos_p[:, None] - (W - 1) + k
+    com_lo = (W - 1 - row_pos_p).clamp(0, W)
+    com_hi = torch.where(real, (row_L_p - row_pos_p + W - 1).clamp(0, W), 0)
+    swa_com = row_slot_p[:, None] * R + q.clamp(min=0) % R
+    swa_fresh = (row_first_p[:, None] + q - row_L_p[:, None]).clamp(min=0)
+    fresh_hi = torch.where(real, W, 0)
 
     def dev(t):
         return t.to(device)
 
     ratios = {}
     for r in sorted({x for x in cache_ratios(cache) if x}):
-        ratios[r] = _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_seg, row_pos, row_L, dev)
+        ratios[r] = _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos_p, row_L_p, real, dev, bucket)
     plan = ForwardPlan(
-        segments=list(segments), T=T, window=W, ring=R,
-        row_slot=dev(row_slot), row_pos=dev(row_pos), row_seg=dev(row_seg), row_start=dev(row_L),
+        segments=list(segments), T=Tp, window=W, ring=R,
+        row_slot=dev(row_slot_p), row_pos=dev(row_pos_p), row_seg=dev(row_seg_p), row_start=dev(row_L_p),
         swa_com=dev(swa_com), swa_com_lo=dev(com_lo), swa_com_hi=dev(com_hi),
-        swa_fresh=dev(swa_fresh), swa_fresh_lo=dev(com_hi), swa_fresh_hi=dev(torch.full((T,), W)),
-        ratios=ratios, device=device, host_groups=(row_slot.tolist(), row_seg.tolist()),
+        swa_fresh=dev(swa_fresh), swa_fresh_lo=dev(com_hi), swa_fresh_hi=dev(fresh_hi),
+        ratios=ratios, device=device, bucket=bucket, n_real=T,
+        # Host-side sharing decisions would vary with the batch: a static plan makes none.
+        host_groups=None if bucket is not None else (row_slot_p.tolist(), row_seg_p.tolist()),
         cpu=dict(seg_slot=seg_slot, seg_L=seg_L, seg_n=seg_n, seg_first=seg_first, row_seg=row_seg,
-                 row_off=row_off, row_slot=row_slot, row_pos=row_pos),
+                 row_off=row_off, row_slot=row_slot, row_pos=row_pos, pad_slot=cache.pad_slot),
     )
+    plan.writes()  # the store-everything lists, now: host work belongs before the forward
     return plan
+
+
+def _check_bucket(bucket: Bucket, segments, T: int, cache) -> None:
+    longest = max((s.length for s in segments), default=0)
+    smallest_ring = min([cache.window_ring] + [cache.rows_ring(r) for r in cache_ratios(cache) if r])
+    if T > bucket.rows or longest > bucket.seg_tokens:
+        raise ValueError(f"bucket {bucket}: the forward has {T} rows and up to {longest} per request")
+    if bucket.seg_tokens > smallest_ring:
+        raise ValueError(f"bucket {bucket}: seg_tokens above the smallest ring ({smallest_ring} rows); "
+                         "static plans are for decode and verify batches")
 
 
 def cache_ratios(cache):
     return {st.ratio for st in cache.layers}
 
 
-def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_seg, row_pos, row_L, dev) -> RatioPlan:
+def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, real, dev, bucket) -> RatioPlan:
     overlap = r == 4
     Rc = cache.rows_ring(r)
     j0, j1 = seg_L // r, (seg_L + seg_n) // r
@@ -170,15 +208,31 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_seg, row_pos, r
     blk_fresh = (seg_first[ent_seg][:, None] + qpos - L_e).clamp(min=0)
     ts = cache.token_slots
     ent_row = ts[dev(seg_slot[ent_seg]), dev(ent_j * r)].long() // r
-    max_new = int(ne.max()) if len(ne) else 0
-    new_table = (_excl_cumsum(ne)[:, None] + torch.arange(max_new)).clamp(max=max(E - 1, 0))
-    row_j0 = row_L // r
+    if bucket is None:
+        max_new = int(ne.max()) if len(ne) else 0
+        max_committed = int(j0.max()) if len(j0) else 0
+        n_tab, Ep = len(seg_L), E
+    else:  # static: widths from the bucket and the cache, E padded to T
+        max_new, max_committed = -(-bucket.seg_tokens // r), cache.capacity // r
+        n_tab, Ep = bucket.rows + 1, bucket.rows
+    Pe = Ep - E  # padding entries: pooled from nothing, stored in the scratch entry row
+    if Pe:
+        zl = torch.zeros(Pe, dtype=torch.long)
+        ent_j, blk_ok = torch.cat([ent_j, zl]), torch.cat([blk_ok, torch.zeros(Pe, Lb, dtype=torch.bool)])
+        blk_from_ring = torch.cat([blk_from_ring, torch.ones(Pe, Lb, dtype=torch.bool)])
+        blk_ring = torch.cat([blk_ring, torch.full((Pe, Lb), cache.pad_slot * Rc)])
+        blk_fresh = torch.cat([blk_fresh, torch.zeros(Pe, Lb, dtype=torch.long)])
+        ent_row = torch.cat([ent_row, dev(torch.full((Pe,), cache.pad_entry_row(r)))])
+    new_table = torch.zeros(n_tab, max_new, dtype=torch.long)
+    new_table[: len(seg_L)] = (_excl_cumsum(ne)[:, None] + torch.arange(max_new)).clamp(0, max(E - 1, 0))
+    row_j0 = torch.where(real, row_L // r, 0)
+    new_hi = torch.where(real, (row_pos + 1) // r - row_L // r, 0)
     return RatioPlan(
-        ratio=r, overlap=overlap, rows_ring=Rc, n_new=E, max_committed=int(j0.max()) if len(j0) else 0,
+        ratio=r, overlap=overlap, rows_ring=Rc, n_new=Ep, max_committed=max_committed,
         max_new=max_new, ent_j=dev(ent_j), ent_pos=dev(ent_j * r), ent_row=ent_row,
         blk_ring=dev(blk_ring), blk_fresh=dev(blk_fresh), blk_from_ring=dev(blk_from_ring), blk_ok=dev(blk_ok),
         slot_entries=ts[:, ::r], com_hi=dev(row_j0), new_table=dev(new_table),
-        new_hi=dev((row_pos + 1) // r - row_j0), ent_seg_cpu=ent_seg, ent_j_cpu=ent_j,
+        new_hi=dev(new_hi), ent_seg_cpu=ent_seg, ent_j_cpu=ent_j[:E],
     )
 
 
@@ -191,17 +245,27 @@ def _write_lists(plan: ForwardPlan, accepted: dict) -> WriteLists:
     end = c["seg_L"] + n  # committed length after this forward
     row_end = end[c["row_seg"]]
     stored = c["row_off"] < n[c["row_seg"]]
+    # A static plan stores whole (accepted is None): its padding rows and entries go to the scratch
+    # slot and entry rows, so every list has the bucket's length.
+    pad_rows = plan.T - plan.n_real if not accepted else 0
 
     def ring_list(ring):
         keep = stored & (c["row_pos"] >= row_end - ring)  # the last `ring` stored rows of each segment
         src = torch.nonzero(keep).flatten()
-        return src.to(plan.device), (c["row_slot"][src] * ring + c["row_pos"][src] % ring).to(plan.device)
+        dst = c["row_slot"][src] * ring + c["row_pos"][src] % ring
+        if pad_rows:
+            src = torch.cat([src, torch.arange(plan.n_real, plan.T)])
+            dst = torch.cat([dst, torch.full((pad_rows,), c["pad_slot"] * ring)])
+        return src.to(plan.device), dst.to(plan.device)
 
     swa_src, swa_dst = ring_list(plan.ring)
     rows, entries = {}, {}
     for r, rp in plan.ratios.items():
         rows[r] = ring_list(rp.rows_ring)
-        keep = rp.ent_j_cpu < end[rp.ent_seg_cpu] // r if rp.n_new else torch.zeros(0, dtype=torch.bool)
+        E = len(rp.ent_j_cpu)
+        keep = rp.ent_j_cpu < end[rp.ent_seg_cpu] // r if E else torch.zeros(0, dtype=torch.bool)
+        if not accepted:
+            keep = torch.cat([keep, torch.ones(rp.n_new - E, dtype=torch.bool)])
         idx = torch.nonzero(keep).flatten().to(plan.device)
         entries[r] = (idx, rp.ent_row[idx])
     return WriteLists(swa_src, swa_dst, rows, entries)

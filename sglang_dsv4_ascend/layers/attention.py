@@ -73,7 +73,7 @@ class Attention(nn.Module):
         then the entries this forward completes)."""
         cos, sin, q_lat, q, kv = self._project(x, positions)
         st, T = cache.layers[self.layer_id], plan.T
-        n_swa = cache.num_slots * cache.window_ring
+        n_swa = cache.swa_rows_total
         kv = kv.to(cache.dtype)
         rows, entries, fresh_parts, extra = {}, {}, [kv], []
         zeros = plan.zeros()

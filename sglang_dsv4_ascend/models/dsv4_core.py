@@ -103,7 +103,7 @@ class DSV4Model(nn.Module):
         `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments)."""
-        _check_batch(input_ids, positions, segments, cache)
+        _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None)
         if plan is None and self.attention_impl == "batched":
             from ..attention_backend.plan import build_plan
 
@@ -130,20 +130,23 @@ class DSV4Model(nn.Module):
         return F.linear(hidden.float(), self.head.weight.float())
 
 
-def _check_batch(input_ids, positions, segments, cache) -> None:
+def _check_batch(input_ids, positions, segments, cache, padded_to=None) -> None:
+    """`padded_to`: the rows of a static (bucketed) plan: input_ids/positions hold the segments'
+    tokens first, then padding rows (any ids in range, positions ignored)."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
         raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
                          f"and {tuple(positions.shape)}")
     total = sum(s.length for s in segments)
-    if total != input_ids.shape[0]:
-        raise ValueError(f"segments cover {total} tokens but input_ids has {input_ids.shape[0]}")
+    if total != input_ids.shape[0] and padded_to != input_ids.shape[0]:
+        expect = f"{total}" if padded_to is None else f"{padded_to} (the plan's bucket)"
+        raise ValueError(f"segments cover {total} tokens: input_ids must have {expect}, has {input_ids.shape[0]}")
     slots = [s.slot for s in segments]
     if len(set(slots)) != len(slots):
         raise ValueError(f"a slot appears twice in one forward: {slots}")
     # Checked where it costs nothing (CPU tensors); on a device it would be a host sync per forward.
     if positions.device.type == "cpu":
         expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions
-        if not torch.equal(positions, expected):
+        if not torch.equal(positions[:total], expected):
             raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
     for s in segments:
         if not 0 <= s.slot < cache.num_slots or s.length <= 0 or s.start < 0:

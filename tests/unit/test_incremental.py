@@ -168,12 +168,14 @@ def test_cache_byte_accounting(dsv4_model):
     cfg = dsv4_model("flash").cfg  # ratios 0, 0, 4, 128, 4; D 64, Di 32, window 16
     cache = dsv4_model("flash").make_cache(2, 256, spec_slack=3)
     nb, D, Di, f32 = cache.nbytes(), cfg.head_dim, cfg.index_head_dim, 4
-    assert nb["swa"] == 5 * 2 * (16 + 3) * D * f32
-    # Entries are sized per token slot: 2 slots x 259 positions, each slot padded to 384 (3 x 128).
+    # Rings: 2 slots + 1 scratch slot (padding rows of static plans write there).
+    assert nb["swa"] == 5 * 3 * (16 + 3) * D * f32
+    # Entries are sized per token slot: 2 slots x 259 positions, each slot padded to 384 (3 x 128),
+    # plus one scratch row per store.
     assert cache.num_token_slots == 2 * 384
-    assert nb["c4_kv"] == 2 * (768 // 4) * D * f32 and nb["c4_index"] == 2 * (768 // 4) * Di * f32
-    assert nb["c128_kv"] == (768 // 128) * D * f32
-    rows = 2 * 2 * ((8 + 3) * 2 * D + (8 + 3) * 2 * Di) + 2 * (128 + 3) * D  # kv+gate rows, fp32
+    assert nb["c4_kv"] == 2 * (768 // 4 + 1) * D * f32 and nb["c4_index"] == 2 * (768 // 4 + 1) * Di * f32
+    assert nb["c128_kv"] == (768 // 128 + 1) * D * f32
+    rows = 3 * 2 * ((8 + 3) * 2 * D + (8 + 3) * 2 * Di) + 3 * (128 + 3) * D  # kv+gate rows, fp32
     assert nb["compressor_rows"] == rows * 2 * f32
     assert nb["total"] == sum(v for k, v in nb.items() if k != "total")
     assert cache.bytes_per_token() == nb["total"] / 768
