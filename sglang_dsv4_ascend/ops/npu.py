@@ -5,6 +5,12 @@ project. The calls follow the op-plugin documentation and SGLang 0.5.23's NPU li
 (docs/dsv4_reference.md §4.3, §4.4); tests/device/test_npu_w8a8.py compares each one with the
 plain-torch reference and is skipped where torch_npu is not installed.
 
+Not mapped yet: the batched attention (`ops.reference.sparse_attention_sources`). SGLang's NPU
+DeepSeek-V4 backend runs it as `torch.ops.custom.npu_sparse_attn_sharedkv` over its paged SWA and
+compressed-KV pools with block tables; our cache keeps per-request SWA rings and an entry store
+addressed through token slots, so the mapping needs that layout (or a gather into it) first. On an
+NPU the reference op runs, as on CPU.
+
 `torch_npu` is imported inside each function, never at module import: importing it without CANN
 breaks `import torch`, and this module is imported on CPU machines too.
 
