@@ -106,14 +106,24 @@ def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, m
     for a in range(0, T, step):
         b = min(T, a + step)
         ok = valid[a:b]
-        # Zero the invalid rows: a 0 probability times garbage (stale or NaN rows) must stay 0.
-        v = kv_pool[indices[a:b].clamp(0, max(0, kv_pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0)
-        logits = torch.einsum("thd,tkd->thk", q[a:b].float(), v) * scale
-        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
-        combined = torch.cat([logits, sink.expand(b - a, H, 1)], dim=-1)
-        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out[a:b] = torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
+        out[a:b] = _attend_with_sink(q[a:b], _gather_rows(kv_pool, indices[a:b], ok), ok, sink, scale)
     return out
+
+
+def _gather_rows(pool, rows, ok):
+    """pool[rows] in fp32 with the invalid rows zeroed: a 0 probability times garbage (stale or
+    NaN rows) must stay 0."""
+    return pool[rows.clamp(0, max(0, pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0)
+
+
+def _attend_with_sink(q, v, ok, sink, scale: float):
+    """One chunk of queries q [t, H, D] over their gathered keys v [t, K, D] (valid where ok):
+    softmax with the sink [1, H, 1] in the denominator. -> [t, H, D] in q's dtype."""
+    logits = torch.einsum("thd,tkd->thk", q.float(), v) * scale
+    logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+    combined = torch.cat([logits, sink.expand(q.shape[0], -1, 1)], dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
 
 
 class Source(NamedTuple):
@@ -160,18 +170,12 @@ def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: in
         vs, oks = [], []
         for src in sources:
             rows, ok = source_rows(src, a, b)
-            # Zero the invalid rows: a 0 probability times garbage (stale or NaN rows) must stay 0.
-            vs.append(src.pool[rows.clamp(0, max(0, src.pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0))
+            vs.append(_gather_rows(src.pool, rows, ok))
             oks.append(ok)
         if not vs:
             out[a:b] = 0
             continue
-        v, ok = torch.cat(vs, dim=1), torch.cat(oks, dim=1)
-        logits = torch.einsum("thd,tkd->thk", q[a:b].float(), v) * scale
-        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
-        combined = torch.cat([logits, sink.expand(b - a, H, 1)], dim=-1)
-        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out[a:b] = torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
+        out[a:b] = _attend_with_sink(q[a:b], torch.cat(vs, dim=1), torch.cat(oks, dim=1), sink, scale)
     return out
 
 

@@ -22,6 +22,20 @@ BLOCK_H = 16  # tl.dot needs >= 16 rows; fewer heads are masked
 
 
 @triton.jit
+def _online_softmax_step(q, kv, ok, m, l, acc, scale):
+    """Fold one block of keys kv [BLOCK_K, BLOCK_D] (valid where ok) into the running max m,
+    denominator l and numerator acc of every head."""
+    s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
 def _sparse_attn_sink_kernel(
     q_ptr, kv_ptr, idx_ptr, valid_ptr, sink_ptr, out_ptr,
     H, K, D, scale,
@@ -47,14 +61,7 @@ def _sparse_attn_sink_kernel(
         idx = tl.load(idx_ptr + t * stride_it + offs_k, mask=ok, other=0)
         kv = tl.load(kv_ptr + idx[:, None] * stride_kvn + offs_d[None, :],
                      mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m = m_new
+        m, l, acc = _online_softmax_step(q, kv, ok, m, l, acc, scale)
     out = acc / l[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
@@ -117,14 +124,7 @@ def _sparse_attn_two_pools_kernel(
                      mask=in_a[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         kv += tl.load(kvb_ptr + row_b[:, None] * stride_kbn + offs_d[None, :],
                       mask=in_b[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m = m_new
+        m, l, acc = _online_softmax_step(q, kv, ok, m, l, acc, scale)
     out = acc / l[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
