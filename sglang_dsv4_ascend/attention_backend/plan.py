@@ -56,7 +56,6 @@ class RatioPlan:
     max_committed: int  # max over segments of L // r
     max_new: int  # max over segments of entries completed by this forward
     ent_j: torch.Tensor  # [E] entry number
-    ent_pos: torch.Tensor  # [E] position of the entry (its block's first token): j * r
     ent_row: torch.Tensor  # [E] row of the entry in the layer's entry store (offset-free)
     blk_ring: torch.Tensor  # [E, Lb] ring row of each block position (flattened [S * Rc])
     blk_fresh: torch.Tensor  # [E, Lb] this forward's row of each block position
@@ -229,7 +228,7 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
     new_hi = torch.where(real, (row_pos + 1) // r - row_L // r, 0)
     return RatioPlan(
         ratio=r, overlap=overlap, rows_ring=Rc, n_new=Ep, max_committed=max_committed,
-        max_new=max_new, ent_j=dev(ent_j), ent_pos=dev(ent_j * r), ent_row=ent_row,
+        max_new=max_new, ent_j=dev(ent_j), ent_row=ent_row,
         blk_ring=dev(blk_ring), blk_fresh=dev(blk_fresh), blk_from_ring=dev(blk_from_ring), blk_ok=dev(blk_ok),
         slot_entries=ts[:, ::r], com_hi=dev(row_j0), new_table=dev(new_table),
         new_hi=dev(new_hi), ent_seg_cpu=ent_seg, ent_j_cpu=ent_j[:E],
