@@ -83,8 +83,40 @@ def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, r
                     "supported yet)", dtype, self.kv_cache_dtype)
     return DSV4TokenToKVPool(
         size=sizes.max_total_num_tokens, page_size=get_schedule().page_size, dtype=dtype, cfg=cfg,
-        req_to_token=req_to_token_pool.req_to_token, spec_slack=0, device=self.device,
+        req_to_token=req_to_token_pool.req_to_token, spec_slack=_spec_slack(), device=self.device,
     )
+
+
+def _spec_slack() -> int:
+    """Positions a verify reads past the committed length: the tree's depth + 1 <= draft tokens.
+    Verify writes are deferred and only accepted rows are stored, so the rings need no extra rows
+    for rejected ones; the slack is what lets a verify at the end of the context stay in range."""
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    if not spec.speculative_algorithm:
+        return 0
+    return int(max(spec.speculative_num_draft_tokens or 0, (spec.speculative_num_steps or 0) + 1))
+
+
+def _handle_eagle_family(orig, server_args):
+    """SGLang refuses EAGLE topk > 1 with pages > 1 unless the backend is one of its cascade
+    backends, which duplicate pages per branch. Our worker verifies trees as root-to-leaf paths
+    over positional slots and needs no cascade; the check is run with a backend it accepts and
+    ours is declared back right after (the last declaration wins)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    from .server_defaults import BACKEND_NAME
+
+    cfg = resolving_view(server_args)
+    ours = cfg.attention_backend == BACKEND_NAME and (cfg.speculative_eagle_topk or 1) > 1
+    if ours:
+        declare_resolution(server_args, "sglang_dsv4_ascend.tree_check", attention_backend="triton")
+    try:
+        return orig(server_args)
+    finally:
+        if ours:
+            declare_resolution(server_args, "sglang_dsv4_ascend.tree_check", attention_backend=BACKEND_NAME)
 
 
 def _hook(target: str, fn_path: str, kind: str):
@@ -107,6 +139,9 @@ HOOK_KV_POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigu
 HOOK_VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request"
 HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
 HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
+HOOK_EAGLE_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_eagle_family"
+HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
+HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
 
 
 def _install_quantization():
@@ -138,6 +173,13 @@ HOOKS: list = [
          _hook(HOOK_VALIDATE_TARGET, ".request_guard:validate_one_request_hook", "BEFORE")),
     Hook("request_normalize_errors", HOOK_NORMALIZE_TARGET, ("self",),
          _hook(HOOK_NORMALIZE_TARGET, ".request_guard:normalize_hook", "AROUND")),
+    Hook("eagle_tree_page_check", HOOK_EAGLE_ARGS_TARGET, ("server_args",),
+         _hook(HOOK_EAGLE_ARGS_TARGET, ".registrations:_handle_eagle_family", "AROUND")),
+    Hook("cpu_spec_last_loc", HOOK_LAST_LOC_TARGET, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
+         _hook(HOOK_LAST_LOC_TARGET, ".platforms.cpu_alloc:get_last_loc", "AROUND")),
+    Hook("cpu_spec_assign_slots", HOOK_ASSIGN_TARGET,
+         ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "out_cache_loc", "batch_size"),
+         _hook(HOOK_ASSIGN_TARGET, ".platforms.cpu_alloc:assign_req_to_token_pool_func", "AROUND")),
     Hook("http_request_gate", HOOK_HTTP_TARGET,
          ("server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
           "run_detokenizer_process_func", "execute_warmup_func", "launch_callback"),

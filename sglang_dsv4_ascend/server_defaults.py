@@ -31,8 +31,7 @@ PAGE_SIZE = 128  # every compression ratio (4, 128) divides it: entries stay pag
 # req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
 # carries fixed rings. User flags still win.
 CPU_DSV4_MAX_RUNNING_REQUESTS = 16
-_SPECULATIVE_MSG = ("speculative decoding for DeepSeek-V4 is not available in sglang-dsv4-ascend yet "
-                    "(NextN and DSpark workers are planned); serve without it")
+SPEC_ALGOS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE for MTP heads
 
 
 def _raw(server_args, name):
@@ -104,7 +103,7 @@ def unsupported_settings(server_args) -> list[str]:
          f"--tokenizer-worker-num {cfg.tokenizer_worker_num}: extra tokenizer workers do not load SGLang "
          "plugins, so the request validation that keeps bad requests from crashing the DeepSeek-V4 "
          "scheduler would be missing there; supported: 1")
-    need(not cfg.speculative_algorithm, f"--speculative-algorithm {cfg.speculative_algorithm}: {_SPECULATIVE_MSG}")
+    out += speculative_problems(cfg)
     for flag, name in (("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
                        ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill")):
         value = _raw(server_args, name)
@@ -120,6 +119,65 @@ def unsupported_settings(server_args) -> list[str]:
          f"--chunked-prefill-size {chunk}: must be a multiple of the page size {page} that sglang-dsv4-ascend "
          f"uses for DeepSeek-V4 (e.g. {page}, {16 * page}), or -1 to disable chunking")
     return out
+
+
+def speculative_problems(cfg) -> list[str]:
+    """What the NextN worker cannot serve, checked before SGLang's own DeepSeek-V4 and speculative
+    steps (which see the NEXTN alias and a topk not chosen yet). The final step / topk / draft-token
+    values are checked again by the worker at startup, after SGLang picks its defaults."""
+    algo = str(cfg.speculative_algorithm or "").upper()
+    if not algo:
+        return []
+    out = []
+
+    def need(ok, msg):
+        if not ok:
+            out.append(msg)
+
+    flag = f"--speculative-algorithm {cfg.speculative_algorithm}"
+    need(algo in SPEC_ALGOS, f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with NextN speculation "
+                             "(nextn, its alias eagle) so far; DSpark is not wired yet; supported: nextn")
+    steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
+    need(steps is None or steps >= 1, f"--speculative-num-steps {steps}: must be >= 1")
+    need(topk is None or topk >= 1, f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
+    need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 NextN block is "
+                                            "not wired yet; serve the float checkpoint for speculation")
+    need(not getattr(cfg, "enable_multi_layer_eagle", False),
+         "--enable-multi-layer-eagle: DeepSeek-V4 checkpoints have one NextN block (chained); drop the flag")
+    for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        value = getattr(cfg, name, 1.0)
+        need(value in (None, 1.0), f"--{name.replace('_', '-')} {value}: the dsv4_ascend NextN worker accepts "
+                                   "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
+    if algo in SPEC_ALGOS:
+        missing = _checkpoint_lacks_nextn(cfg.model_path)
+        need(not missing, f"{flag}: {missing}")
+    return out
+
+
+def _checkpoint_lacks_nextn(model_path) -> str | None:
+    """A reason when a local checkpoint has no NextN block (`mtp.0.e_proj.weight`), else None."""
+    if not model_path or not os.path.isdir(model_path):
+        return None  # a hub id: the loader reports missing tensors by name
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    try:
+        if os.path.exists(index):
+            with open(index) as f:
+                names = set(json.load(f)["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            names = set()
+            for fname in os.listdir(model_path):
+                if fname.endswith(".safetensors"):
+                    with safe_open(os.path.join(model_path, fname), framework="pt") as f:
+                        names.update(f.keys())
+    except (OSError, ValueError, KeyError) as e:
+        return f"cannot list the tensors of {model_path} ({e})"
+    if "mtp.0.e_proj.weight" in names:
+        return None
+    kind = "a DSpark draft (mtp.*.main_proj)" if "mtp.0.main_proj.weight" in names else "no draft layers"
+    return (f"{model_path} has {kind}, not a NextN block (mtp.0.e_proj, mtp.0.h_proj, ...); use a checkpoint "
+            "with num_nextn_predict_layers >= 1 and its mtp.0 tensors")
 
 
 def _graphs_disabled(server_args) -> dict:
@@ -161,7 +219,22 @@ def model_adjustments(server_args, previous):
             decl["context_length"] = int(min(getattr(hf, "max_position_embeddings", cap), cap))
         if cfg.max_running_requests is None:  # read before SGLang's DeepSeek-V4 step defaults it to 256
             decl["max_running_requests"] = CPU_DSV4_MAX_RUNNING_REQUESTS
-    previous(server_args)
+    algo = cfg.speculative_algorithm
+    if algo:
+        # SGLang's DeepSeek-V4 step runs before its speculative step has resolved the NEXTN alias
+        # and chosen a topk, and asserts algorithm in (EAGLE, DSPARK) and topk == 1: its checks
+        # are for its own worker. Ours were made above (speculative_problems), so that step runs
+        # with the algorithm hidden, and the user's value is declared back right after (the last
+        # declaration wins).
+        declare_resolution(server_args, "sglang_dsv4_ascend.hide_spec", speculative_algorithm=None)
+    try:
+        previous(server_args)
+    finally:
+        if algo:
+            declare_resolution(server_args, "sglang_dsv4_ascend.hide_spec", speculative_algorithm=algo)
+    if algo and cfg.device != "cpu":
+        # The worker runs rounds synchronously (SGLang already declares this on CPU).
+        decl["disable_overlap_schedule"] = True
     # SGLang's DeepSeek-V4 step turns "auto" into fp8_e4m3 (bfloat16 on NPU) for its own pools;
     # ours keep the model dtype, so the resolved value says so.
     decl["kv_cache_dtype"] = "auto"

@@ -47,6 +47,7 @@ class SegmentWrites:
     swa: torch.Tensor  # [length, head_dim], positions start..start+length-1
     rows: dict = field(default_factory=dict)  # name -> (kv [length, C], gate [length, C])
     entries: dict = field(default_factory=dict)  # name -> (first entry number j0, [m, dim])
+    seg: int = 0  # the segment's index in its forward (for `apply(..., keep=)`)
 
     def prefix(self, n: int) -> "SegmentWrites":
         """Keep the first n positions (the accepted ones) and the entries they complete."""
@@ -56,7 +57,7 @@ class SegmentWrites:
             complete = (self.start + n) // self.ratio  # entries j < this are complete
             entries[name] = (j0, e[: max(0, complete - j0)])
         rows = {k: (kv[:n], g[:n]) for k, (kv, g) in self.rows.items()}
-        return SegmentWrites(self.layer, self.slot, self.start, n, self.ratio, self.swa[:n], rows, entries)
+        return SegmentWrites(self.layer, self.slot, self.start, n, self.ratio, self.swa[:n], rows, entries, self.seg)
 
 
 @dataclass
@@ -71,8 +72,8 @@ class LayerWrites:
     rows: dict = field(default_factory=dict)  # name -> (kv [T, C], gate [T, C])
     entries: dict = field(default_factory=dict)  # name -> [E, dim]
 
-    def store(self, cache: "DSV4Cache", accepted: dict | None = None) -> None:
-        lists = self.plan.writes(accepted)
+    def store(self, cache: "DSV4Cache", accepted: dict | None = None, keep: tuple | None = None) -> None:
+        lists = self.plan.writes(accepted, keep)
         st = cache.layers[self.layer]
         st.kv[lists.swa_dst] = self.swa[lists.swa_src]
         for name, (kv, gate) in self.rows.items():
@@ -210,11 +211,19 @@ class DSV4Cache:
         pos = torch.arange(start + n - keep, start + n, device=ring.device)
         ring[slot, pos % size] = rows[n - keep :].to(ring.dtype)
 
-    def apply(self, pending: list, accepted: dict | None = None) -> None:
-        """Store deferred writes; `accepted[slot] = n` keeps only that segment's first n positions."""
+    def apply(self, pending: list, accepted: dict | None = None, keep: tuple | None = None) -> None:
+        """Store deferred writes; `accepted[slot] = n` keeps only that segment's first n positions.
+        `keep[i]` = n does the same by segment index, for every segment of the forward: a tree
+        verify runs several segments per slot (one per root-to-leaf path) and stores one path's
+        accepted prefix (n) and nothing of the others (0)."""
+        if keep is not None and accepted is not None:
+            raise ValueError("DSV4Cache.apply: pass `accepted` (by slot) or `keep` (by segment), not both")
         for w in pending:
             if isinstance(w, LayerWrites):
-                w.store(self, accepted)
+                w.store(self, accepted, keep)
+            elif keep is not None:
+                if keep[w.seg]:
+                    self.write(w.prefix(keep[w.seg]))
             else:
                 self.write(w if accepted is None or w.slot not in accepted else w.prefix(accepted[w.slot]))
 

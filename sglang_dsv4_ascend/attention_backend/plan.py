@@ -100,13 +100,23 @@ class ForwardPlan:
             self._writes["zeros"] = torch.zeros(self.T, dtype=torch.long, device=self.device)
         return self._writes["zeros"]
 
-    def writes(self, accepted: dict | None = None) -> "WriteLists":
+    def writes(self, accepted: dict | None = None, keep: tuple | None = None) -> "WriteLists":
         """Index lists for storing this forward's rows and entries; `accepted[slot] = n` keeps only
-        that segment's first n tokens (and the entries they complete). Cached per variant."""
-        key = tuple(sorted((accepted or {}).items()))
-        if key not in self._writes:
-            self._writes[key] = _write_lists(self, accepted or {})
-        return self._writes[key]
+        that segment's first n tokens (and the entries they complete); `keep[i] = n` does it by
+        segment index for every segment (several segments may share a slot: tree verify paths).
+        Cached per variant."""
+        if keep is not None:
+            if len(keep) != len(self.segments):
+                raise ValueError(f"keep has {len(keep)} lengths for {len(self.segments)} segments")
+            n = tuple(max(0, min(int(k), s.length)) for k, s in zip(keep, self.segments))
+        elif accepted:
+            n = tuple(max(0, min(int(accepted[s.slot]), s.length)) if s.slot in accepted else s.length
+                      for s in self.segments)
+        else:
+            n = None  # store whole (a static plan's padding included)
+        if n not in self._writes:
+            self._writes[n] = _write_lists(self, n)
+        return self._writes[n]
 
 
 @dataclass
@@ -235,12 +245,11 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
     )
 
 
-def _write_lists(plan: ForwardPlan, accepted: dict) -> WriteLists:
+def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
+    """`lengths`: tokens stored per segment (None: all of them, and the bucket's padding)."""
     c = plan.cpu
-    n = c["seg_n"].clone()
-    for i, s in enumerate(plan.segments):
-        if s.slot in accepted:
-            n[i] = max(0, min(int(accepted[s.slot]), s.length))
+    accepted = lengths is not None
+    n = c["seg_n"].clone() if lengths is None else torch.tensor(lengths, dtype=torch.long)
     end = c["seg_L"] + n  # committed length after this forward
     row_end = end[c["row_seg"]]
     stored = c["row_off"] < n[c["row_seg"]]

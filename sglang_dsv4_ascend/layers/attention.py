@@ -119,10 +119,10 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)
         offset = 0
-        for seg in segments:
+        for i, seg in enumerate(segments):
             sl = slice(offset, offset + seg.length)
             offset += seg.length
-            w = SegmentWrites(self.layer_id, seg.slot, seg.start, seg.length, self.ratio, kv[sl])
+            w = SegmentWrites(self.layer_id, seg.slot, seg.start, seg.length, self.ratio, kv[sl], seg=i)
             w.rows = {name: (k[sl], g[sl]) for name, (k, g) in rows.items()}
             pool, idx, valid = self._window(cache, seg, kv[sl], positions[sl])
             if self.compressor is not None:

@@ -11,6 +11,8 @@ from torch import nn
 
 from ..config import DSV4Config
 from .dsv4_core import DSV4Model
+from .nextn import PREFIX as NEXTN_PREFIX
+from .nextn import NextN
 from .weights import load_released_weights
 
 
@@ -44,6 +46,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
         self.logits_processor = LogitsProcessor(config)
+        # The NextN draft block (mtp.0), built only when a speculative worker will use it.
+        self.nextn = NextN(self.cfg, dtype=torch.get_default_dtype()) if _wants_nextn(self.cfg) else None
+        # Set by the speculative worker: keep the last forward's pre-head streams (NextN's input).
+        self.capture_streams = False
+        self.last_streams = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, **kwargs):
         from sglang.srt.model_executor.forward_context import get_attn_backend
@@ -51,17 +58,45 @@ class DeepseekV4ForCausalLM(nn.Module):
         backend = get_attn_backend()
         meta = backend.forward_metadata
         plan = meta.plan if self.model.attention_impl == "batched" else None
-        hidden = self.model(input_ids, positions, meta.segments, backend.cache, plan=plan)
+        aux = {} if self.capture_streams else None
+        hidden = self.model(input_ids, positions, meta.segments, backend.cache, plan=plan, aux=aux)
+        if aux is not None:
+            self.last_streams = aux["streams"]
         return self.logits_processor(input_ids, hidden, self.model.head, forward_batch)
 
     def load_weights(self, weights):
         source = _weight_files(getattr(self.config, "_name_or_path", None))
+        draft = []
+        if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
+            weights = _divert(weights, NEXTN_PREFIX, draft)
         if self.quant_description is None:
             load_released_weights(self.model, weights, source=source)
         else:
             from ..quantization.w8a8 import load_w8a8_weights
 
             load_w8a8_weights(self.model, weights, self.quant_description, source=source)
+        if self.nextn is not None:
+            load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)
+
+
+def _divert(weights, prefix: str, into: list):
+    for item in weights:
+        if item[0].startswith(prefix):
+            into.append(item)
+        else:
+            yield item
+
+
+def _wants_nextn(cfg) -> bool:
+    """A NextN draft is served: `--speculative-algorithm nextn/eagle` on a checkpoint with an MTP
+    block (DSpark checkpoints also have mtp.*, and their own worker)."""
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        algo = (get_spec().speculative_algorithm or "").upper()
+    except ValueError:  # "config namespace 'spec' not published": outside a server, no worker asks
+        return False
+    return algo in ("EAGLE", "NEXTN") and cfg.num_nextn_predict_layers >= 1
 
 
 EntryClass = [DeepseekV4ForCausalLM]

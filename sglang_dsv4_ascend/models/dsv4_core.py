@@ -103,7 +103,8 @@ class DSV4Model(nn.Module):
         `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments)."""
-        _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None)
+        _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
+                     deferred=pending is not None)
         if plan is None and self.attention_impl == "batched":
             from ..attention_backend.plan import build_plan
 
@@ -130,7 +131,7 @@ class DSV4Model(nn.Module):
         return F.linear(hidden.float(), self.head.weight.float())
 
 
-def _check_batch(input_ids, positions, segments, cache, padded_to=None) -> None:
+def _check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:
     """`padded_to`: the rows of a static (bucketed) plan: input_ids/positions hold the segments'
     tokens first, then padding rows (any ids in range, positions ignored)."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
@@ -141,8 +142,9 @@ def _check_batch(input_ids, positions, segments, cache, padded_to=None) -> None:
         expect = f"{total}" if padded_to is None else f"{padded_to} (the plan's bucket)"
         raise ValueError(f"segments cover {total} tokens: input_ids must have {expect}, has {input_ids.shape[0]}")
     slots = [s.slot for s in segments]
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"a slot appears twice in one forward: {slots}")
+    if len(set(slots)) != len(slots) and not deferred:
+        raise ValueError(f"a slot appears twice in one forward that stores its writes: {slots} "
+                         "(only a forward with deferred writes, pending=[], may read one slot twice)")
     # Checked where it costs nothing (CPU tensors); on a device it would be a host sync per forward.
     if positions.device.type == "cpu":
         expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions

@@ -49,13 +49,15 @@ def is_ignored(name: str) -> bool:
     return name.startswith("mtp.")
 
 
-def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> None:
+def load_released_weights(model: DSV4Model, weights: Iterable, source=None, prefix: str = "") -> None:
     """Copy released tensors into `model`.
 
     weights: (name, tensor) or (name, tensor, file) items. source: a file/dir name for all tensors,
-    or a {name: file} dict, used in error messages. Raises ValueError on a missing, unexpected,
-    mis-shaped or quantized tensor, or an out-of-range tid2eid table."""
-    targets = model.state_dict(keep_vars=True)
+    or a {name: file} dict, used in error messages. `prefix`: load only the tensors under it (a
+    draft module: "mtp.0."), named without it in `model`; by default the trunk, without `mtp.*`.
+    Raises ValueError on a missing, unexpected, mis-shaped or quantized tensor, or an out-of-range
+    tid2eid table."""
+    targets = {prefix + k: v for k, v in model.state_dict(keep_vars=True).items()}
     loaded = set()
 
     def file_of(name, explicit=None):
@@ -66,7 +68,7 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> N
     for item in weights:
         name, tensor = item[0], item[1]
         file = file_of(name, item[2] if len(item) > 2 else None)
-        if is_ignored(name):
+        if (is_ignored(name) if not prefix else not name.startswith(prefix)):
             continue
         if name.endswith(_QUANT_SUFFIXES):
             raise ValueError(f"tensor {name!r}{_where(name, file)} is a quantization scale: FP8/FP4 released weights "
@@ -77,7 +79,7 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None) -> N
         target = targets.get(name)
         if target is None:
             raise ValueError(
-                f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: DSV4Model has no "
+                f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: {type(model).__name__} has no "
                 f"such parameter (config: {model.cfg.num_hidden_layers} layers, ratios {list(model.cfg.compress_ratios)})"
             )
         if target.is_floating_point() and not tensor.is_floating_point():

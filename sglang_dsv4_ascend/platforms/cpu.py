@@ -78,6 +78,17 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
     def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
         return "torch_native"
 
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        # EAGLE/NEXTN: our DeepSeek-V4 worker (other models get SGLang's, which may not run here).
+        return str(algorithm).upper() in ("EAGLE", "NEXTN")
+
+    def get_speculative_worker_cls(self, algorithm: str):
+        """Our DeepSeek-V4 NextN worker for EAGLE (NEXTN is SGLang's alias); None keeps SGLang's
+        own worker for everything else (its startup checks then refuse what it cannot serve)."""
+        from sglang_dsv4_ascend.speculative.worker import worker_cls_for
+
+        return worker_cls_for(algorithm)
+
     def get_kv_pool_cls(self, *, kind):
         if kind == "mha":
             from sglang_dsv4_ascend.platforms.cpu_pools import CpuMHATokenToKVPool

@@ -30,7 +30,9 @@ RESOLVE = textwrap.dedent("""
             v = resolving_view(sa)
             out.append({k: getattr(v, k) for k in (
                 "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
-                "max_running_requests", "context_length", "disable_radix_cache", "disable_cuda_graph")}
+                "max_running_requests", "context_length", "disable_radix_cache", "disable_cuda_graph",
+                "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
+                "speculative_num_draft_tokens", "disable_overlap_schedule")}
                 | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
         except Exception as e:
             out.append({"error": f"{type(e).__name__}: {e}"})
@@ -63,7 +65,13 @@ def cpu_results(tiny_ckpt):
         "ep2": ["--ep-size", "2"],
         "kv_fp8": ["--kv-cache-dtype", "fp8_e4m3"],
         "tokenizer_workers": ["--tokenizer-worker-num", "2"],
-        "speculative": ["--speculative-algorithm", "NEXTN"],
+        "nextn_chain": ["--speculative-algorithm", "NEXTN"],
+        "nextn_tree": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "3",
+                       "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+        "dspark_algo": ["--speculative-algorithm", "DSPARK"],
+        "spec_threshold": ["--speculative-algorithm", "nextn", "--speculative-accept-threshold-single", "0.5"],
+        "spec_steps0": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "0",
+                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "1"],
         "graph_explicit": ["--cuda-graph-backend-decode", "full"],
         "backend_triton": ["--attention-backend", "triton"],
     }
@@ -99,12 +107,36 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("ep2", "--ep-size 2: expert parallelism"),
     ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
     ("tokenizer_workers", "--tokenizer-worker-num 2:"),
-    ("speculative", "--speculative-algorithm NEXTN: speculative decoding for DeepSeek-V4 is not available"),
+    ("dspark_algo", "--speculative-algorithm DSPARK: sglang-dsv4-ascend serves DeepSeek-V4 with NextN"),
+    ("spec_threshold", "--speculative-accept-threshold-single 0.5: the dsv4_ascend NextN worker accepts losslessly"),
+    ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
     ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
 ])
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
     r, _ = cpu_results
     assert flag in r[case].get("error", ""), r[case]
+
+
+def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):
+    """SGLang's DeepSeek-V4 step asserts EAGLE with topk == 1 and its EAGLE step refuses topk > 1
+    with 128-token pages on our backend: both are for SGLang's own worker, and must not stop ours."""
+    r, _ = cpu_results
+    chain, tree = r["nextn_chain"], r["nextn_tree"]
+    for d in (chain, tree):
+        assert "error" not in d, d
+        assert d["speculative_algorithm"] == "EAGLE" and d["attention_backend"] == "dsv4_ascend", d
+        assert d["page_size"] == 128 and d["disable_overlap_schedule"] is True, d
+    assert chain["speculative_eagle_topk"] == 1
+    assert chain["speculative_num_draft_tokens"] == chain["speculative_num_steps"] + 1
+    assert (tree["speculative_eagle_topk"], tree["speculative_num_steps"], tree["speculative_num_draft_tokens"]) == (4, 3, 8)
+
+
+def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(tmp_path):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    dspark = write_checkpoint(str(tmp_path / "dspark"), "flash", "dspark")
+    (d,), _ = resolve(dspark, [["--speculative-algorithm", "nextn"]])
+    assert "--speculative-algorithm nextn:" in d.get("error", "") and "DSpark draft" in d["error"], d
 
 
 def test_npu_like_platform_gets_graphs_off_and_our_backend(tiny_ckpt):

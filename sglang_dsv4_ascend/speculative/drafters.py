@@ -1,0 +1,184 @@
+"""Drafters for the NextN worker: the checkpoint's NextN block, and a test-only replay drafter.
+
+A drafter has `extend(segments, next_tokens, target_streams, finals)` (called after every target
+forward that commits rows: prefill chunks and accepted verify rows), `draft(batch, slots, starts,
+bonus) -> [DraftTree]` and `observe(b, path, tree)` (the accepted path, for statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from ..models.dsv4_core import Segment
+from .tree import TreeBuilder
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+TEST_DRAFTER_ENV = "SGLANG_DSV4_TEST_DRAFTER"  # replay:FILE (tests only; see ReplayDrafter)
+
+
+def make_drafter(worker):
+    spec = os.environ.get(TEST_DRAFTER_ENV, "")
+    if not spec:
+        return NextNDrafter(worker)
+    kind, _, arg = spec.partition(":")
+    if kind != "replay" or not arg:
+        raise ValueError(f"{TEST_DRAFTER_ENV}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
+    logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the NextN "
+                   "head; outputs stay lossless, acceptance and speed figures are synthetic", TEST_DRAFTER_ENV,
+                   spec, arg)
+    return ReplayDrafter(worker, arg)
+
+
+def _positions(segments, device):
+    return torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(device)
+
+
+class NextNDrafter:
+    """Drafts with the NextN block (models/nextn.py), chained: a step's output streams are the next
+    step's state. Draft probabilities are the block's softmax at temperature 1; children are its
+    top-k (deterministic proposals, which the accept rules treat as point masses)."""
+
+    name = "nextn"
+
+    def __init__(self, worker):
+        self.w = worker
+
+    def _step(self, ids, states, segments, pending=None):
+        w = self.w
+        return w.model.nextn.step(ids, states, _positions(segments, w.device), segments, w.draft_cache,
+                                  w.model.model.embed, pending=pending)
+
+    def extend(self, segments, next_tokens, streams, finals):
+        """Store the draft rows of committed positions; `finals` (b, row): requests whose last row
+        is the draft state of their next round."""
+        w = self.w
+        if not segments:
+            return
+        hidden, out = self._step(next_tokens, streams, segments)
+        if finals:
+            rows = torch.tensor([r for _, r in finals], device=w.device)
+            slots = torch.tensor([segments[b].slot for b, _ in finals], device=w.device)
+            w.root_logits[slots] = w.model.model.compute_logits(hidden[rows])
+            w.root_streams[slots] = out[rows].to(w.root_streams.dtype)
+
+    def draft(self, batch, slots, starts, bonus):
+        w = self.w
+        builders = [TreeBuilder(b, w.topk) for b in bonus]
+        probs0 = torch.softmax(w.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
+        leaves = [bld.step(probs0[i: i + 1]) for i, bld in enumerate(builders)]
+        streams = [{} for _ in slots]  # per request: candidate id -> the draft's output streams at it
+        for _ in range(1, w.num_steps):
+            segs, ids, states, last, owner = [], [], [], [], []
+            for i, (slot, L, bld) in enumerate(zip(slots, starts, builders)):
+                for c in leaves[i]:
+                    cands = bld.cands_of(c)
+                    segs.append(Segment(slot, L, len(cands)))
+                    ids += bld.tokens_of(c)
+                    states += [w.root_streams[slot]] + [streams[i][x] for x in cands[:-1]]
+                    last.append(len(ids) - 1)
+                    owner.append((i, c))
+            hidden, out = self._step(torch.tensor(ids, device=w.device), torch.stack(states), segs, pending=[])
+            rows = torch.tensor(last, device=w.device)
+            probs = torch.softmax(w.model.model.compute_logits(hidden[rows]), dim=-1)
+            by_req = [[] for _ in slots]
+            for k, (i, c) in enumerate(owner):
+                streams[i][c] = out[last[k]]
+                by_req[i].append(k)
+            leaves = [bld.step(probs[by_req[i]]) for i, bld in enumerate(builders)]
+        return [bld.finish(w.num_draft_tokens)[0] for bld in builders]
+
+    def observe(self, b, path, tree):
+        pass
+
+
+class ReplayDrafter:
+    """TEST ONLY (`SGLANG_DSV4_TEST_DRAFTER=replay:FILE`): proposes the known continuation of each
+    request, with errors injected where the file says, so that end-to-end tests drive full,
+    partial and zero acceptance through a real server (random weights almost never accept).
+
+    FILE (JSON): {"sequences": [[token ids: prompt + reference completion], ...], "mode": M}
+      M = "full"       every proposal correct
+          "zero"       the first proposal wrong
+          "partial:k"  the first k proposals correct, then wrong
+          "sibling"    (trees) the correct token is always the second child, a wrong one the first
+          "cycle"      full, partial:1, zero in turn, by the request's verify count
+    The tree is still built by TreeBuilder (from synthetic draft probabilities), so tree shape,
+    ordering and commit go through the production path; the draft cache is not used."""
+
+    name = "replay"
+
+    def __init__(self, worker, path):
+        self.w = worker
+        with open(path) as f:
+            spec = json.load(f)
+        self.sequences = [list(map(int, s)) for s in spec["sequences"]]
+        self.mode = spec.get("mode", "full")
+        self.vocab = worker.model.cfg.vocab_size
+
+    def extend(self, segments, next_tokens, streams, finals):
+        pass
+
+    def observe(self, b, path, tree):
+        pass
+
+    def _correct_depth(self, req) -> int:
+        """How many leading proposals are correct this round."""
+        mode = self.mode
+        if mode == "cycle":
+            mode = ("full", "partial:1", "zero")[req.spec_verify_ct % 3]
+        if mode in ("full", "sibling"):
+            return 1 << 30
+        if mode == "zero":
+            return 0
+        if mode.startswith("partial:"):
+            return int(mode.split(":", 1)[1])
+        raise ValueError(f"replay drafter: unknown mode {self.mode!r}")
+
+    def _continuation(self, seq, n):
+        for ref in self.sequences:
+            if len(ref) > len(seq) and ref[: len(seq)] == seq:
+                return ref[len(seq): len(seq) + n]
+        return []
+
+    def draft(self, batch, slots, starts, bonus):
+        w, V = self.w, self.vocab
+        trees = []
+        for req, b in zip(batch.reqs, bonus):
+            seq = list(req.origin_input_ids) + list(req.output_ids)
+            truth = self._continuation(seq, w.num_steps)
+            ok = self._correct_depth(req)
+            spine = [t if d < ok else (t + 1) % V for d, t in enumerate(truth)]
+            spine += [(seq[-1] + 7 + d) % V for d in range(w.num_steps - len(spine))]
+            bld = TreeBuilder(b, w.topk)
+            leaves = bld.step(self._probs(spine[0]))
+            on_spine = next(c for c in leaves if bld.tokens_of(c) == spine[:1])
+            for d in range(1, w.num_steps):
+                leaves = bld.step(torch.cat([self._probs(spine[d] if c == on_spine else None) for c in leaves]))
+                # the spine leaf's child with the next spine token continues the spine
+                on_spine = next((c for c in leaves if bld.tokens_of(c) == spine[: d + 1]), None)
+            trees.append(bld.finish(w.num_draft_tokens)[0])
+        return trees
+
+    def _probs(self, t):
+        """Synthetic draft scores [1, V] (not normalized: the builder only ranks them). The spine
+        token `t` gets 0.5 (0.4 in sibling mode, where the wrong token t+1 gets 0.5), distractors
+        small shares; off the spine (t None) every score is small, so the spine's descendants
+        always rank first and the tree keeps it."""
+        V, K = self.vocab, self.w.topk
+        p = torch.zeros(1, V)
+        if t is None:
+            for j in range(K):
+                p[0, (j * 13 + 5) % V] = 0.01
+            return p
+        if self.mode == "sibling" and K > 1:
+            p[0, t], p[0, (t + 1) % V] = 0.4, 0.5
+        else:
+            p[0, t] = 0.5
+        for j in range(2, K + 1):
+            p[0, (t + j) % V] = max(p[0, (t + j) % V].item(), 0.1 / K)
+        return p

@@ -1,0 +1,194 @@
+"""Tree verify and commit against the model: every tree node sees exactly the committed history and
+its own ancestors, and committing an accepted path stores that path and nothing else.
+
+The oracle for node i is a plain forward, from an empty cache and with the per-segment definition,
+over prompt + the tokens of path(i). The tree crosses the SWA window (L >> window), a CSA 4-token
+block and the HCA 128-token block boundary at 256 while it is being verified. Broken variants (a
+tree run in node order, the wrong path committed, rejected compressor rows kept) must be caught.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from sglang_dsv4_ascend.attention_backend import plan as plan_mod
+from sglang_dsv4_ascend.attention_backend.cache import SegmentWrites
+from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.speculative.tree import DraftTree
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+L = 254  # the tree's positions 254..257 cross the 4-block at 256 and the 128-block at 256
+
+# (tokens, parents): a topk-2 tree of depth 3 with a branch completing the 256 boundary only on
+# its second child, a topk-3 tree of depth 2, and a chain.
+TREES = [
+    ((11, 21, 22, 31, 32, 33, 41), (-1, 0, 0, 1, 1, 2, 4)),
+    ((11, 21, 22, 23, 31, 32, 33), (-1, 0, 0, 0, 1, 2, 3)),
+    ((11, 21, 31, 41), (-1, 0, 1, 2)),
+]
+
+
+def _ids(n, seed):
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def impl(model, name):
+    old = model.attention_impl
+    model.attention_impl = name
+    try:
+        yield
+    finally:
+        model.attention_impl = old
+
+
+def _forward(model, cache, segs, ids, pending=None):
+    pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
+    return model.compute_logits(model(ids, pos, segs, cache, pending=pending))
+
+
+def _oracle(model, ids):
+    """Last-row logits of a fresh full forward with the per-segment definition."""
+    with impl(model, "segments"):
+        cache = model.make_cache(1, ids.shape[0] + 8)
+        return _forward(model, cache, [Segment(0, 0, ids.shape[0])], ids)
+
+
+def _prefilled(model, prompt, slots=1):
+    # No speculative slack: with deferred writes nothing rejected is ever stored, so the rings need
+    # none, and a kept rejected row lands on a committed row still in use (the broken variant).
+    cache = model.make_cache(slots, 320, 0)
+    for t in cache.state_tensors().values():  # any read of a row never written turns NaN
+        t.fill_(float("nan"))
+    _forward(model, cache, [Segment(0, 0, prompt.shape[0])], prompt)
+    return cache
+
+
+def tree_verify(model, cache, tree: DraftTree, start: int, slot: int = 0):
+    """The worker's verify: one deferred segment per root-to-leaf path. Returns (node logits,
+    pending, segments, leaf -> segment index)."""
+    segs, ids, first, leaf_seg, row = [], [], {}, {}, 0
+    for path in tree.paths():
+        leaf_seg[path[-1]] = len(segs)
+        segs.append(Segment(slot, start, len(path)))
+        for d, node in enumerate(path):
+            first.setdefault(node, row + d)
+        ids += [tree.tokens[n] for n in path]
+        row += len(path)
+    pending = []
+    logits = _forward(model, cache, segs, torch.tensor(ids), pending)
+    return logits[[first[i] for i in range(tree.n)]], pending, segs, leaf_seg
+
+
+def commit(cache, tree, pending, segs, leaf_seg, path, leaf=None):
+    """Store `path` (a root-prefix of some leaf's path): that leaf's segment keeps len(path)."""
+    if leaf is None:
+        leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
+    keep = [0] * len(segs)
+    keep[leaf_seg[leaf]] = len(path)
+    cache.apply(pending, keep=tuple(keep))
+
+
+@pytest.mark.parametrize("name", ["batched", "segments"])
+@pytest.mark.parametrize("t", range(len(TREES)))
+def test_tree_node_logits_equal_a_full_forward_over_its_path(dsv4_model, name, t):
+    model, prompt = dsv4_model("flash"), _ids(L, 12)
+    tree = DraftTree(*TREES[t])
+    cache = _prefilled(model, prompt)
+    with impl(model, name):
+        got, _, _, _ = tree_verify(model, cache, tree, L)
+    for i in range(tree.n):
+        ref = _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1]
+        torch.testing.assert_close(got[i], ref, **TOL, msg=f"node {i} of tree {t}")
+
+
+def test_broken_node_order_chain_is_caught(dsv4_model):
+    """Running the tree's nodes as one chain in index order lets siblings see each other and counts
+    the window in slot order: the oracle comparison must fail."""
+    model, prompt = dsv4_model("flash"), _ids(L, 12)
+    tree = DraftTree(*TREES[0])
+    cache = _prefilled(model, prompt)
+    got = _forward(model, cache, [Segment(0, L, tree.n)], torch.tensor(tree.tokens), pending=[])
+    errs = [(got[i] - _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1])
+            .abs().max().item() for i in range(tree.n)]
+    assert max(errs) > 1e-2, errs
+
+
+# A deep chain: accepting 3 of its 7 rows at 254 leaves 4 rejected rows (257..260) whose compressor
+# ring rows (8 per CSA ring) are those of 249..252, and 252 is still pooled by entry 64 (252..259).
+CHAIN7 = (tuple(range(51, 58)), tuple(range(-1, 6)))
+
+
+def _two_rounds(model, prompt, paths, leaves=(None, None), cont=8, trees=(TREES[0], TREES[1])):
+    """Tree rounds (TREES[0] then TREES[1]) each committing `paths[k]`, then `cont` plain decode
+    tokens. Returns (logits of the decoded tokens, the full-forward reference)."""
+    cache = _prefilled(model, prompt)
+    seq, start = prompt.tolist(), L
+    for k, (spec, path) in enumerate(zip(trees, paths)):
+        tree = DraftTree(*spec)
+        _, pending, segs, leaf_seg = tree_verify(model, cache, tree, start)
+        commit(cache, tree, pending, segs, leaf_seg, path, leaves[k])
+        seq += [tree.tokens[n] for n in path]
+        start += len(path)
+    tail = _ids(cont, 5)
+    got = torch.cat([_forward(model, cache, [Segment(0, start + j, 1)], tail[j: j + 1]) for j in range(cont)])
+    full = torch.cat([torch.tensor(seq), tail])
+    with impl(model, "segments"):
+        ref = _forward(model, model.make_cache(1, full.shape[0] + 8), [Segment(0, 0, full.shape[0])], full)
+    return got, ref[len(seq):]
+
+
+# Accepted paths: the second branch to depth 2 (its sibling subtree rejected, partial accept),
+# then only the root (zero accept) or the deepest branch (full accept).
+ACCEPTS = [([0, 2, 5], [0]), ([0, 1, 4, 6], [0, 3, 6]), ([0], [0, 1, 4])]
+
+
+@pytest.mark.parametrize("name", ["batched", "segments"])
+@pytest.mark.parametrize("paths", ACCEPTS)
+def test_commit_stores_the_accepted_path_only(dsv4_model, name, paths):
+    model = dsv4_model("flash")
+    with impl(model, name):
+        got, ref = _two_rounds(model, _ids(L, 12), paths)
+    torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize("name", ["batched", "segments"])
+def test_commit_of_a_short_prefix_of_a_deep_chain(dsv4_model, name):
+    model = dsv4_model("flash")
+    with impl(model, name):
+        got, ref = _two_rounds(model, _ids(L, 12), ([0, 1, 2],), trees=(CHAIN7,))
+    torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_broken_commit_of_the_wrong_path_is_caught(dsv4_model):
+    model = dsv4_model("flash")
+    # accepted [0, 2, 5] but the first leaf's segment (3 = via node 1) stored instead
+    got, ref = _two_rounds(model, _ids(L, 12), ([0, 2, 5], [0]), leaves=(3, None))
+    assert (got - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["batched", "segments"])
+def test_broken_commit_keeping_rejected_compressor_rows_is_caught(dsv4_model, monkeypatch, name):
+    """The measured hole of the earlier commit path: rejected rows of the accepted path's segment
+    stored in the compressor rings clobber rows the next block still pools."""
+    model = dsv4_model("flash")
+    orig_prefix, orig_lists = SegmentWrites.prefix, plan_mod._write_lists
+
+    def prefix_keeping_rows(self, n):
+        w = orig_prefix(self, n)
+        w.rows = self.rows  # every row, rejected ones included
+        return w
+
+    def lists_keeping_rows(plan, lengths):
+        kept = orig_lists(plan, lengths)
+        everything = orig_lists(plan, tuple(s.length if (lengths and lengths[i]) else 0
+                                            for i, s in enumerate(plan.segments)) if lengths else None)
+        kept.rows = everything.rows
+        return kept
+
+    monkeypatch.setattr(SegmentWrites, "prefix", prefix_keeping_rows)
+    monkeypatch.setattr(plan_mod, "_write_lists", lists_keeping_rows)
+    with impl(model, name):
+        got, ref = _two_rounds(model, _ids(L, 12), ([0, 1, 2],), trees=(CHAIN7,))
+    assert (got - ref).abs().max() > 1e-2
