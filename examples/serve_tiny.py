@@ -1,11 +1,16 @@
-"""Serve the tiny DeepSeek-V4 with stock SGLang + sglang-dsv4-ascend and show a completion.
+"""Serve the tiny DeepSeek-V4 with stock SGLang + sglang-dsv4-ascend, speculating with its NextN
+head as a tree, and show a completion with its speculative statistics.
 
-    python examples/serve_tiny.py [--model-dir DIR] [--preset flash|pro] [--prompt TEXT] [-- extra sglang args]
+    python examples/serve_tiny.py [--model-dir DIR] [--preset flash|pro] [--prompt TEXT] [--no-spec]
+                                  [-- extra sglang args]
 
-Writes the tiny checkpoint (fixed seed), starts `python -m sglang.launch_server` on it exactly as a
-user would (the plugin is found through its entry points), sends one OpenAI chat completion and
-one native /generate, prints both, and shuts the server down. The model is random, so the text is
-gibberish; what matters is that it is served by our DeepSeek-V4 and matches HF transformers.
+Writes the tiny checkpoint (fixed seed, with a NextN block), starts `python -m sglang.launch_server`
+on it exactly as a user would (the plugin is found through its entry points) with
+`--speculative-algorithm nextn` (3 steps, topk 2, 6 verified tokens), sends one OpenAI chat
+completion and one native /generate, prints both with the speculative statistics SGLang reports
+(accept length, verify rounds, correct drafts per round), and shuts the server down. The model is
+random, so the text is gibberish and the NextN head is almost never right (accept length ~1.0);
+what matters is that it is served by our DeepSeek-V4, speculatively and losslessly.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="flash", choices=["flash", "pro"])
     ap.add_argument("--prompt", default="Janet's ducks lay 16 eggs per day. How many eggs are left?")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     ap.add_argument("sglang_args", nargs="*", help="extra arguments for sglang.launch_server (after --)")
     a = ap.parse_args(argv)
 
@@ -30,11 +36,12 @@ def main(argv=None) -> int:
     from sglang_dsv4_ascend.tools.server import SGLangServer
 
     print(f"[demo] writing the tiny DeepSeek-V4 ({a.preset}) to {a.model_dir}", flush=True)
-    write_checkpoint(a.model_dir, a.preset, "dspark")
+    write_checkpoint(a.model_dir, a.preset, "nextn")
+    spec = [] if a.no_spec else SPEC_ARGS
     print("[demo] starting the SGLang server (a minute or two on 2 CPU cores: SGLang's imports and the "
-          "model load)...", flush=True)
+          f"model load){' with ' + ' '.join(spec) if spec else ''}...", flush=True)
     t0 = time.monotonic()
-    with SGLangServer(a.model_dir, *a.sglang_args) as srv:
+    with SGLangServer(a.model_dir, *spec, *a.sglang_args) as srv:
         print(f"[demo] server up in {time.monotonic() - t0:.0f} s at {srv.url}; log: {srv.log_path}", flush=True)
         info = srv.server_info()
         print(f"[demo] attention backend: {info['attention_backend']}, device: {info['device']}", flush=True)
@@ -48,7 +55,16 @@ def main(argv=None) -> int:
                                                                             "temperature": 0}})
         print("[demo] /generate meta_info ->")
         print(json.dumps(gen["meta_info"], indent=2))
+        m = gen["meta_info"]
+        if "spec_verify_ct" in m:
+            print(f"[demo] speculative: {m['spec_verify_ct']} verify rounds, accept length "
+                  f"{m['spec_accept_length']:.2f} tokens/round (bonus included), correct drafts per round "
+                  f"(histogram 0..steps): {m.get('spec_correct_drafts_histogram')}")
     return 0
+
+
+SPEC_ARGS = ["--speculative-algorithm", "nextn", "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+             "--speculative-num-draft-tokens", "6", "--max-total-tokens", "32768"]
 
 
 if __name__ == "__main__":

@@ -74,7 +74,31 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool) -> None:
+# Sampling fields the NextN worker's verify does not apply (SGLang applies them in its sampler,
+# which speculative verify bypasses): refused under speculation rather than silently ignored.
+# name -> the value that means "off".
+_SPEC_UNSUPPORTED_SAMPLING = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+    "logit_bias": None, "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
+    "custom_params": None,
+}
+
+
+def _speculative_problem(obj) -> str | None:
+    if getattr(obj, "return_logprob", False):
+        return "return_logprob (OpenAI: logprobs): "
+    if getattr(obj, "custom_logit_processor", None):
+        return "custom_logit_processor: "
+    params = getattr(obj, "sampling_params", None) or {}
+    if isinstance(params, dict):
+        for name, off in _SPEC_UNSUPPORTED_SAMPLING.items():
+            value = params.get(name, off)
+            if value not in (off, None) and value != {} and value != []:
+                return f"sampling_params.{name} = {value!r}: "
+    return None
+
+
+def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None) -> None:
     """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
     be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
 
@@ -117,6 +141,14 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool) -> None:
         )
     if getattr(obj, "text", None) is not None and getattr(obj, "input_ids", None) is not None:
         raise RequestRejected("text and input_ids: give one prompt, not both (the server would use only one)")
+    if speculative:
+        problem = _speculative_problem(obj)
+        if problem:
+            raise RequestRejected(
+                f"{problem}not supported with --speculative-algorithm {speculative} on DeepSeek-V4 in "
+                "sglang-dsv4-ascend yet (its verify step applies temperature, top_k, top_p and min_p only); "
+                "drop the field or serve without speculation"
+            )
 
 
 def validate_one_request_hook(self, obj, input_ids):
@@ -125,7 +157,8 @@ def validate_one_request_hook(self, obj, input_ids):
     from .registrations import DSV4_ARCHS
 
     arch = (getattr(hf, "architectures", None) or [None])[0]
-    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS)
+    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
+                  speculative=getattr(self.server_args, "speculative_algorithm", None))
     return None
 
 

@@ -1,6 +1,7 @@
 import sys
 
-BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache", "step": "sglang_dsv4_ascend.bench.step",
+BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache", "spec": "sglang_dsv4_ascend.bench.spec",
+           "step": "sglang_dsv4_ascend.bench.step",
            "w8a8": "sglang_dsv4_ascend.bench.w8a8"}
 
 

@@ -42,6 +42,22 @@ class Segment:
     length: int
 
 
+def add_hc_head(module: nn.Module, cfg: DSV4Config, device=None) -> None:
+    """The final mHC collapse's parameters (`hc_head_fn/base/scale`) on `module`."""
+    d = cfg.hidden_size
+    module.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * d, device=device))
+    module.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, device=device))
+    module.hc_head_scale = nn.Parameter(torch.ones(1, device=device))
+
+
+def cast_params(module: nn.Module, dtype) -> None:
+    """Every parameter in `dtype`, except the released-fp32 ones (_FP32_SUFFIXES)."""
+    for name, p in module.named_parameters():
+        want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+        if p.dtype != want:
+            p.data = p.data.to(want)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DSV4Config, layer_id: int, dtype=None, device=None):
         super().__init__()
@@ -74,13 +90,8 @@ class DSV4Model(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype, device=device)
-        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * d, device=device))
-        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, device=device))
-        self.hc_head_scale = nn.Parameter(torch.ones(1, device=device))
-        for name, p in self.named_parameters():
-            want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
-            if p.dtype != want:
-                p.data = p.data.to(want)
+        add_hc_head(self, cfg, device)
+        cast_params(self, dtype)
         self.attention_impl = os.environ.get(ATTENTION_ENV, "batched")
         if self.attention_impl not in ("batched", "segments"):
             raise ValueError(f"{ATTENTION_ENV}={self.attention_impl!r}: expected 'batched' or 'segments'")

@@ -24,7 +24,7 @@ from torch import nn
 from ..config import DSV4Config
 from ..layers import RMSNorm
 from ..layers.mhc import hc_head
-from .dsv4_core import _FP32_SUFFIXES, Block
+from .dsv4_core import Block, add_hc_head, cast_params
 
 PREFIX = "mtp.0."
 
@@ -50,13 +50,8 @@ class NextN(Block):
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * d, device=device))
-        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, device=device))
-        self.hc_head_scale = nn.Parameter(torch.ones(1, device=device))
-        for name, p in self.named_parameters():
-            want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
-            if p.dtype != want:
-                p.data = p.data.to(want)
+        add_hc_head(self, cfg, device)
+        cast_params(self, dtype)
         self.dtype = dtype
 
     def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int, device=None):
@@ -81,3 +76,13 @@ class NextN(Block):
         out = self(x, input_ids, positions, segments, cache, pending, plan)
         h = hc_head(out, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)
         return self.norm(h), out
+
+
+def load_nextn_from_dir(path: str, cfg: DSV4Config, dtype=torch.float32, device=None) -> NextN:
+    """The `mtp.0.*` NextN block of a checkpoint dir (tools, tests, in-process benchmarks)."""
+    from .weights import iter_checkpoint, load_released_weights
+
+    block = NextN(cfg, dtype=dtype, device=device)
+    load_released_weights(block, iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)), source=path,
+                          prefix=PREFIX)
+    return block.eval()

@@ -11,6 +11,13 @@ compressed-KV pools with block tables; our cache keeps per-request SWA rings and
 addressed through token slots, so the mapping needs that layout (or a gather into it) first. On an
 NPU the reference op runs, as on CPU.
 
+Tree verify (speculative/engine.py) needs nothing more of that op than the chain does: each
+root-to-leaf path is its own segment, so every query row's key list is still "its request's
+committed rows + the earlier rows of its own segment", the per-row index lists the plan builds.
+`npu_sparse_attn_sharedkv` takes explicit per-query index lists, so the same lists (or, computing
+each node once, lists naming only the node's ancestors) are what a mapping would pass. Unwritten and
+unverified on NPU hardware.
+
 `torch_npu` is imported inside each function, never at module import: importing it without CANN
 breaks `import torch`, and this module is imported on CPU machines too.
 

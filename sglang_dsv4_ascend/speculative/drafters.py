@@ -1,8 +1,9 @@
 """Drafters for the NextN worker: the checkpoint's NextN block, and a test-only replay drafter.
 
-A drafter has `extend(segments, next_tokens, target_streams, finals)` (called after every target
-forward that commits rows: prefill chunks and accepted verify rows), `draft(batch, slots, starts,
-bonus) -> [DraftTree]` and `observe(b, path, tree)` (the accepted path, for statistics).
+A drafter is built with the engine (engine.NextNEngine: model, caches, per-slot draft state, tree
+shape) and has `extend(segments, next_tokens, target_streams, finals)` (called after every target
+forward that commits rows: prefill chunks and accepted verify rows) and `draft(slots, starts, bonus,
+histories) -> [DraftTree]`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ logger = logging.getLogger("sglang_dsv4_ascend")
 TEST_DRAFTER_ENV = "SGLANG_DSV4_TEST_DRAFTER"  # replay:FILE (tests only; see ReplayDrafter)
 
 
-def make_drafter(worker):
+def make_drafter(engine):
     spec = os.environ.get(TEST_DRAFTER_ENV, "")
     if not spec:
-        return NextNDrafter(worker)
+        return NextNDrafter(engine)
     kind, _, arg = spec.partition(":")
     if kind != "replay" or not arg:
         raise ValueError(f"{TEST_DRAFTER_ENV}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
     logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the NextN "
                    "head; outputs stay lossless, acceptance and speed figures are synthetic", TEST_DRAFTER_ENV,
                    spec, arg)
-    return ReplayDrafter(worker, arg)
+    return ReplayDrafter(engine, arg)
 
 
 def _positions(segments, device):
@@ -45,8 +46,8 @@ class NextNDrafter:
 
     name = "nextn"
 
-    def __init__(self, worker):
-        self.w = worker
+    def __init__(self, engine):
+        self.w = engine
 
     def _step(self, ids, states, segments, pending=None):
         w = self.w
@@ -66,7 +67,7 @@ class NextNDrafter:
             w.root_logits[slots] = w.model.model.compute_logits(hidden[rows])
             w.root_streams[slots] = out[rows].to(w.root_streams.dtype)
 
-    def draft(self, batch, slots, starts, bonus):
+    def draft(self, slots, starts, bonus, histories=None):
         w = self.w
         builders = [TreeBuilder(b, w.topk) for b in bonus]
         probs0 = torch.softmax(w.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
@@ -92,79 +93,86 @@ class NextNDrafter:
             leaves = [bld.step(probs[by_req[i]]) for i, bld in enumerate(builders)]
         return [bld.finish(w.num_draft_tokens)[0] for bld in builders]
 
-    def observe(self, b, path, tree):
-        pass
-
 
 class ReplayDrafter:
     """TEST ONLY (`SGLANG_DSV4_TEST_DRAFTER=replay:FILE`): proposes the known continuation of each
     request, with errors injected where the file says, so that end-to-end tests drive full,
     partial and zero acceptance through a real server (random weights almost never accept).
 
-    FILE (JSON): {"sequences": [[token ids: prompt + reference completion], ...], "mode": M}
+    FILE (JSON): {"sequences": [[token ids: prompt + reference completion], ...], "mode": M} or
+                 "modes": [M per sequence] (one server drives several acceptance patterns)
       M = "full"       every proposal correct
           "zero"       the first proposal wrong
           "partial:k"  the first k proposals correct, then wrong
           "sibling"    (trees) the correct token is always the second child, a wrong one the first
-          "cycle"      full, partial:1, zero in turn, by the request's verify count
+          "cycle"      full, partial:1, zero in turn, round by round per request
     The tree is still built by TreeBuilder (from synthetic draft probabilities), so tree shape,
     ordering and commit go through the production path; the draft cache is not used."""
 
     name = "replay"
 
-    def __init__(self, worker, path):
-        self.w = worker
+    def __init__(self, engine, path):
+        self.w = engine
         with open(path) as f:
             spec = json.load(f)
         self.sequences = [list(map(int, s)) for s in spec["sequences"]]
-        self.mode = spec.get("mode", "full")
-        self.vocab = worker.model.cfg.vocab_size
+        self.modes = spec.get("modes") or [spec.get("mode", "full")] * len(self.sequences)
+        if len(self.modes) != len(self.sequences):
+            raise ValueError(f"replay drafter {path}: {len(self.modes)} modes for {len(self.sequences)} sequences")
+        for m in set(self.modes):
+            self._correct_depth(m, 0)  # an unknown mode fails at startup
+        self.vocab = engine.model.cfg.vocab_size
+        self.rounds = {}  # slot -> rounds drafted since its prefill
 
     def extend(self, segments, next_tokens, streams, finals):
-        pass
+        for s in segments:
+            if s.start == 0:
+                self.rounds[s.slot] = 0
 
-    def observe(self, b, path, tree):
-        pass
-
-    def _correct_depth(self, req) -> int:
+    @staticmethod
+    def _correct_depth(mode: str, rounds: int) -> int:
         """How many leading proposals are correct this round."""
-        mode = self.mode
         if mode == "cycle":
-            mode = ("full", "partial:1", "zero")[req.spec_verify_ct % 3]
+            mode = ("full", "partial:1", "zero")[rounds % 3]
         if mode in ("full", "sibling"):
             return 1 << 30
         if mode == "zero":
             return 0
         if mode.startswith("partial:"):
             return int(mode.split(":", 1)[1])
-        raise ValueError(f"replay drafter: unknown mode {self.mode!r}")
+        raise ValueError(f"replay drafter: unknown mode {mode!r} (full, zero, partial:K, sibling, cycle)")
 
     def _continuation(self, seq, n):
-        for ref in self.sequences:
+        """(the next n reference tokens, the sequence's mode); ([], "zero") if none matches."""
+        for ref, mode in zip(self.sequences, self.modes):
             if len(ref) > len(seq) and ref[: len(seq)] == seq:
-                return ref[len(seq): len(seq) + n]
-        return []
+                return ref[len(seq): len(seq) + n], mode
+        return [], "zero"
 
-    def draft(self, batch, slots, starts, bonus):
+    def draft(self, slots, starts, bonus, histories=None):
         w, V = self.w, self.vocab
+        if histories is None:
+            raise ValueError("the replay drafter needs each request's token history")
         trees = []
-        for req, b in zip(batch.reqs, bonus):
-            seq = list(req.origin_input_ids) + list(req.output_ids)
-            truth = self._continuation(seq, w.num_steps)
-            ok = self._correct_depth(req)
+        for slot, seq, b in zip(slots, histories, bonus):
+            truth, mode = self._continuation(list(seq), w.num_steps)
+            ok = self._correct_depth(mode, self.rounds.get(slot, 0))
+            self.rounds[slot] = self.rounds.get(slot, 0) + 1
             spine = [t if d < ok else (t + 1) % V for d, t in enumerate(truth)]
             spine += [(seq[-1] + 7 + d) % V for d in range(w.num_steps - len(spine))]
             bld = TreeBuilder(b, w.topk)
-            leaves = bld.step(self._probs(spine[0]))
+            sibling = mode == "sibling"
+            leaves = bld.step(self._probs(spine[0], sibling))
             on_spine = next(c for c in leaves if bld.tokens_of(c) == spine[:1])
             for d in range(1, w.num_steps):
-                leaves = bld.step(torch.cat([self._probs(spine[d] if c == on_spine else None) for c in leaves]))
+                leaves = bld.step(torch.cat([self._probs(spine[d] if c == on_spine else None, sibling)
+                                             for c in leaves]))
                 # the spine leaf's child with the next spine token continues the spine
                 on_spine = next((c for c in leaves if bld.tokens_of(c) == spine[: d + 1]), None)
             trees.append(bld.finish(w.num_draft_tokens)[0])
         return trees
 
-    def _probs(self, t):
+    def _probs(self, t, sibling=False):
         """Synthetic draft scores [1, V] (not normalized: the builder only ranks them). The spine
         token `t` gets 0.5 (0.4 in sibling mode, where the wrong token t+1 gets 0.5), distractors
         small shares; off the spine (t None) every score is small, so the spine's descendants
@@ -175,7 +183,7 @@ class ReplayDrafter:
             for j in range(K):
                 p[0, (j * 13 + 5) % V] = 0.01
             return p
-        if self.mode == "sibling" and K > 1:
+        if sibling and K > 1:
             p[0, t], p[0, (t + 1) % V] = 0.4, 0.5
         else:
             p[0, t] = 0.5

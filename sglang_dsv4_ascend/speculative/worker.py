@@ -1,36 +1,15 @@
 """`--speculative-algorithm nextn` (SGLang's EAGLE family) for our DeepSeek-V4: chain (topk 1) and
 tree (topk > 1) drafting with the checkpoint's NextN block, verify, lossless accept, KV commit.
 
-Entered through SGLang's seam for out-of-tree platforms (`get_speculative_worker_cls`); the
-scheduler is untouched and sees what it expects of a spec-v2 EAGLE worker: `GenerationBatchResult`
-with `next_token_ids` (stride `speculative_num_draft_tokens`), `accept_lens` (bonus included),
-`new_seq_lens` and an `EagleDraftInput` (subclass) carrying each request's bonus token.
-
-One round for a request with committed length L (target and draft caches hold positions < L) and
-bonus token b (the last sample, at position L, not yet in any cache):
-
-1. draft: the NextN state left by the last draft extend (logits and output streams of its row
-   L-1, which read (b, target streams at L-1)) gives the root's children; each further step runs
-   the draft over every current leaf's path (one segment per leaf at start L, writes discarded)
-   and extends the tree (speculative/tree.py, SGLang's EAGLE scheme);
-2. verify: the target runs one segment per root-to-leaf path of the tree (start L, the path's
-   tokens at L + depth), writes deferred. A node therefore sees exactly the committed history and
-   its own ancestors: its SWA window along its path, the compressed entries its own path
-   completes, indexer top-k of its own. Node i's logits come from its row in the first path that
-   holds it. Rows cost sum(leaf depths + 1), the price of reusing the chain path unchanged;
-3. accept (speculative/accept.py): greedy or lossless rejection sampling over the tree; the
-   accepted path is a prefix of one leaf's path, and only that segment's prefix is stored
-   (`cache.apply(pending, keep=...)`): nothing of a rejected node reaches any cache or compressor
-   row;
-4. draft extend: the NextN block reads (accepted tokens after b + the new bonus, target streams at
-   the accepted rows) at positions L .. L' - 1 and stores them in its own SWA cache; its last row
-   is the next round's draft state.
+Entered through SGLang's seam for out-of-tree platforms (`get_speculative_worker_cls`; the NPU
+platform will route the builtin name the same way); the scheduler is untouched and sees what it
+expects of a spec-v2 EAGLE worker: `GenerationBatchResult` with `next_token_ids` (stride
+`speculative_num_draft_tokens`), `accept_lens` (bonus included), `new_seq_lens` and an
+`EagleDraftInput` (subclass) carrying each request's bonus token. The round itself is
+engine.NextNEngine (no SGLang objects); this module adapts batches to it.
 
 Prefill runs the target through SGLang's own worker (the model keeps its pre-head streams), then
-the same draft extend over the chunk.
-
-Limitations, each refused at startup or per request rather than served wrong: overlap scheduling
-(declared off), grammar / logprobs / penalties / logit bias under speculation (request_guard).
+the draft extend over the chunk. Rounds run synchronously: overlap scheduling is declared off.
 """
 
 from __future__ import annotations
@@ -43,9 +22,8 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-from ..models.dsv4_core import Segment
-from .accept import accept_batch
 from .drafters import make_drafter
+from .engine import NextNEngine, check_tree_shape
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
@@ -110,13 +88,9 @@ class DSV4NextNWorker(BaseSpecWorker):
         if getattr(self.model, "nextn", None) is None:
             raise ValueError("--speculative-algorithm nextn: the DeepSeek-V4 model has no NextN (mtp.0) block loaded")
         self.model.capture_streams = True
-        self.draft_cache = None  # built with the target's pools (after this constructor)
-        self.drafter = make_drafter(self)
+        self.engine = None
         seed = getattr(server_args, "random_seed", None)
-        self.generator = torch.Generator(device=self.device).manual_seed(int(seed or 0))
-        logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
-                    "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
-                    self.drafter.name)
+        self.generator = torch.Generator().manual_seed(int(seed or 0))  # accept draws on the host
 
     # -- what the scheduler reads ----------------------------------------------------------------
     @property
@@ -124,15 +98,14 @@ class DSV4NextNWorker(BaseSpecWorker):
         return self.runner.token_to_kv_pool.cache
 
     def _ensure_state(self):
-        """The draft's SWA cache and per-slot draft state, sized like the target's cache."""
-        if self.draft_cache is not None:
-            return
-        cache, cfg = self.cache, self.model.cfg
-        self.draft_cache = self.model.nextn.make_cache(cache.num_slots, cache.max_context_len, cache.spec_slack,
-                                                       device=self.device)
-        self.root_logits = torch.zeros(cache.num_slots, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=self.model.model.dtype,
-                                        device=self.device)
+        """The engine (draft cache, per-slot draft state) is sized like the target's cache, which
+        SGLang allocates after this constructor."""
+        if self.engine is None:
+            self.engine = NextNEngine(self.model, self.cache, self.topk, self.num_steps, self.num_draft_tokens,
+                                      make_drafter, self.generator, device=self.device)
+            logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
+                        "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
+                        self.engine.drafter.name)
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         self._ensure_state()
@@ -142,31 +115,27 @@ class DSV4NextNWorker(BaseSpecWorker):
             return self._idle(batch)
         return self._decode(batch)
 
-    # -- prefill -----------------------------------------------------------------------------------
     def _prefill(self, batch):
         out = self.target_worker.forward_batch_generation(batch)
         segments = self.runner.attn_backend.forward_metadata.segments
-        streams = self.model.last_streams
         sampled = out.next_token_ids.to("cpu").tolist()
         ids = batch.input_ids.to("cpu").tolist()
         # Draft row i reads token i+1: the next prompt token inside the chunk (or after it, for a
         # chunk that is not the last), the sampled token after the last prompt token.
-        shifted, finals = [], []
-        off = 0
+        shifted, finals, off = [], [], 0
         for b, (req, seg) in enumerate(zip(batch.reqs, segments)):
             seq = list(req.origin_input_ids) + list(req.output_ids)
             end = seg.start + seg.length
-            nxt = seq[end] if end < len(seq) else sampled[b]
-            shifted += ids[off + 1: off + seg.length] + [nxt]
+            shifted += ids[off + 1: off + seg.length] + [seq[end] if end < len(seq) else sampled[b]]
             off += seg.length
             if end >= len(seq):
                 finals.append((b, off - 1))
-        self.drafter.extend(segments, torch.tensor(shifted, device=self.device), streams, finals)
+        self.engine.extend(segments, torch.tensor(shifted, device=self.device), self.model.last_streams, finals)
+        self.model.last_streams = None
         out.new_seq_lens = batch.seq_lens  # spec-v2 convention: the committed length
         out.next_draft_input = DSV4DraftInput(out.next_token_ids.to(torch.int64))
         return out
 
-    # -- decode: draft, verify, accept, commit, draft extend ------------------------------------
     def _decode(self, batch):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.managers.utils import GenerationBatchResult
@@ -174,68 +143,17 @@ class DSV4NextNWorker(BaseSpecWorker):
         slots = batch.req_pool_indices.to("cpu").tolist()
         starts = batch.seq_lens.to("cpu").tolist()
         bonus = batch.spec_info.bonus_tokens.to("cpu").tolist()
-        trees = self.drafter.draft(batch, slots, starts, bonus)
-
-        segs, ids, pos, node_rows, seg_of_leaf = [], [], [], [], []
-        row = 0
-        for slot, L, tree in zip(slots, starts, trees):
-            first = {}
-            leaf_seg = {}
-            for path in tree.paths():
-                leaf_seg[path[-1]] = len(segs)
-                segs.append(Segment(slot, L, len(path)))
-                for d, node in enumerate(path):
-                    first.setdefault(node, row + d)
-                ids += [tree.tokens[n] for n in path]
-                pos += range(L, L + len(path))
-                row += len(path)
-            node_rows.append([first[i] for i in range(tree.n)])
-            seg_of_leaf.append(leaf_seg)
-        dev = self.device
-        pending, aux = [], {}
-        trunk = self.model.model
-        hidden = trunk(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache,
-                       pending=pending, aux=aux)
-        flat_rows = torch.tensor([r for rows in node_rows for r in rows], device=dev)
-        logits = trunk.compute_logits(hidden[flat_rows])
-        per_req = torch.split(logits, [t.n for t in trees])
-        results = accept_batch(trees, list(per_req), _sampling_params(batch), self.generator)
-
-        keep = [0] * len(segs)
-        commit_rows, next_ids, accept_lens, new_bonus, ext_segs = [], [], [], [], []
+        histories = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
+        res = self.engine.round(slots, starts, bonus, _sampling_params(batch), histories)
         stride = self.num_draft_tokens
-        for b, ((path, bonus_tok), tree) in enumerate(zip(results, trees)):
-            leaf = next(leaf for leaf in tree.leaves() if tree.path(leaf)[: len(path)] == path)
-            s = seg_of_leaf[b][leaf]
-            keep[s] = len(path)
-            seg_first = sum(x.length for x in segs[:s])
-            commit_rows += range(seg_first, seg_first + len(path))
-            emitted = [tree.tokens[n] for n in path[1:]] + [bonus_tok]
-            next_ids += emitted + [0] * (stride - len(emitted))
-            accept_lens.append(len(path))
-            new_bonus.append(bonus_tok)
-            ext_segs.append(Segment(slots[b], starts[b], len(path)))
-            self.drafter.observe(b, path, tree)
-        self.cache.apply(pending, keep=tuple(keep))
-
-        # Draft extend over the accepted rows: row i reads token i+1 and the target's streams at i.
-        shifted = []
-        for b, (path, bonus_tok) in enumerate(results):
-            shifted += [trees[b].tokens[n] for n in path[1:]] + [bonus_tok]
-        commit = torch.tensor(commit_rows, device=dev)
-        ends, acc = [], 0
-        for s in ext_segs:
-            acc += s.length
-            ends.append((len(ends), acc - 1))
-        self.drafter.extend(ext_segs, torch.tensor(shifted, device=dev), aux["streams"][commit], ends)
-
-        accept = torch.tensor(accept_lens, dtype=torch.int32)
+        next_ids = [t for e in res.emitted for t in e + [0] * (stride - len(e))]
+        accept = torch.tensor(res.accept_lens, dtype=torch.int32)
         return GenerationBatchResult(
             logits_output=LogitsProcessorOutput(next_token_logits=None),
             next_token_ids=torch.tensor(next_ids, dtype=torch.int32),
             accept_lens=accept,
             new_seq_lens=batch.seq_lens + accept.to(batch.seq_lens),
-            next_draft_input=DSV4DraftInput(torch.tensor(new_bonus, dtype=torch.int64, device=dev)),
+            next_draft_input=DSV4DraftInput(torch.tensor(res.bonus, dtype=torch.int64, device=self.device)),
             speculative_num_draft_tokens=stride,
             can_run_cuda_graph=False,
         )
@@ -250,22 +168,6 @@ class DSV4NextNWorker(BaseSpecWorker):
             accept_lens=empty, new_seq_lens=batch.seq_lens,
             next_draft_input=DSV4DraftInput(torch.zeros(0, dtype=torch.int64, device=self.device)),
             speculative_num_draft_tokens=self.num_draft_tokens, can_run_cuda_graph=False)
-
-
-def check_tree_shape(steps, topk, draft_tokens) -> None:
-    """The final (SGLang-resolved) shape: steps drafts deep, topk children per leaf, draft_tokens
-    verified nodes including the root."""
-    if steps is None or steps < 1:
-        raise ValueError(f"--speculative-num-steps {steps}: must be >= 1")
-    if topk < 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
-    most = 1 + topk + (steps - 1) * topk * topk  # the root + every candidate EAGLE records
-    if topk == 1 and draft_tokens != steps + 1:
-        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: a chain (topk 1) verifies "
-                         f"steps + 1 = {steps + 1} tokens")
-    if not 2 <= draft_tokens <= most:
-        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: with --speculative-num-steps {steps} and "
-                         f"--speculative-eagle-topk {topk} it must be in [2, {most}] (root + recorded candidates)")
 
 
 def _sampling_params(batch) -> list:

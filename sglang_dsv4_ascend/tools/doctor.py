@@ -37,6 +37,20 @@ def _triton_ascend_installed() -> bool:
         return False
 
 
+# How to turn speculation on for DeepSeek-V4 (what `doctor` shows; README "Use" says the same).
+SPECULATIVE = {
+    "nextn": {
+        "chain": "--speculative-algorithm nextn --speculative-num-steps 3 --speculative-eagle-topk 1 "
+                 "--speculative-num-draft-tokens 4",
+        "tree": "--speculative-algorithm nextn --speculative-num-steps 3 --speculative-eagle-topk 4 "
+                "--speculative-num-draft-tokens 8",
+        "needs": "a checkpoint with a NextN block (mtp.0.e_proj ...), float weights; greedy or temperature / "
+                 "top_k / top_p / min_p sampling (penalties, logit bias, grammars, logprobs are refused per request)",
+    },
+    "dspark": {"status": "not wired yet (refused at startup)"},
+}
+
+
 def collect() -> dict:
     from sglang_dsv4_ascend import __version__, compat, device, platforms, registrations
 
@@ -55,6 +69,7 @@ def collect() -> dict:
             "triton": _import_check("triton"),
         },
         "triton_ascend_installed": _triton_ascend_installed(),
+        "speculative": SPECULATIVE,
     }
     if report["sglang"]["supported"]:
         for h in compat.hooks():
@@ -101,6 +116,11 @@ def main(argv=None) -> int:
         for mod, res in r["imports"].items():
             print(f"import {mod:<11} {'ok ' + res['version'] if res['imports'] else 'no (' + res['error'] + ')'}")
         print(f"triton-ascend     {'installed' if r['triton_ascend_installed'] else 'not installed'}")
+        nx = r["speculative"]["nextn"]
+        print(f"speculative nextn chain: {nx['chain']}")
+        print(f"                  tree:  {nx['tree']}")
+        print(f"                  needs: {nx['needs']}")
+        print(f"speculative dspark {r['speculative']['dspark']['status']}")
         for p in r["problems"]:
             print(f"PROBLEM: {p}")
         print("OK" if r["ok"] else "NOT OK")

@@ -71,6 +71,29 @@ def test_dsv4_only_refusals():
     ok(req(text="hi"), [1, 2])
 
 
+@pytest.mark.parametrize("field,value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -0.2), ("repetition_penalty", 1.3), ("min_new_tokens", 4),
+    ("logit_bias", {"5": 3.0}), ("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"),
+])
+def test_sampling_the_speculative_verify_does_not_apply_is_refused(field, value):
+    """The NextN worker's verify applies temperature / top_k / top_p / min_p only: anything else
+    would be silently ignored under speculation, so it is refused naming the field."""
+    obj = req(sampling_params={field: value, "temperature": 0.7})
+    with pytest.raises(G.RequestRejected, match=rf"sampling_params\.{field} = .*not supported with --speculative-algorithm EAGLE"):
+        G.check_request(obj, [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
+    G.check_request(obj, [1, 2], vocab_size=V, dsv4=True, speculative=None)  # served without speculation
+    G.check_request(obj, [1, 2], vocab_size=V, dsv4=False, speculative="EAGLE")  # not our model
+
+
+def test_speculation_refuses_logprobs_and_keeps_plain_sampling():
+    with pytest.raises(G.RequestRejected, match="return_logprob .*--speculative-algorithm EAGLE"):
+        G.check_request(req(return_logprob=True), [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
+    plain = req(sampling_params={"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "n": 4,
+                                 "frequency_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
+                                 "logit_bias": None, "max_new_tokens": 8})
+    G.check_request(plain, [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
+
+
 def test_body_limit_default_follows_the_context(monkeypatch):
     monkeypatch.delenv(G.MAX_BYTES_ENV, raising=False)
     assert G.max_body_bytes(None) == G.MIN_BODY_BYTES

@@ -192,3 +192,19 @@ def test_broken_commit_keeping_rejected_compressor_rows_is_caught(dsv4_model, mo
     with impl(model, name):
         got, ref = _two_rounds(model, _ids(L, 12), ([0, 1, 2],), trees=(CHAIN7,))
     assert (got - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("steps,topk,n,flag", [
+    (0, 1, 1, "--speculative-num-steps 0: must be >= 1"),
+    (3, 0, 4, "--speculative-eagle-topk 0: must be >= 1"),
+    (3, 1, 6, "--speculative-num-draft-tokens 6: a chain \\(topk 1\\) verifies steps \\+ 1 = 4"),
+    (3, 4, 4, "--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 3"),
+    (2, 2, 9, "--speculative-num-draft-tokens 9: .* must be in \\[2, 7\\]"),
+])
+def test_tree_shapes_the_worker_cannot_serve_name_the_flag(steps, topk, n, flag):
+    from sglang_dsv4_ascend.speculative.engine import check_tree_shape
+
+    with pytest.raises(ValueError, match=flag):
+        check_tree_shape(steps, topk, n)
+    check_tree_shape(3, 1, 4)
+    check_tree_shape(3, 4, 8)

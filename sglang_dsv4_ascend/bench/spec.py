@@ -1,0 +1,449 @@
+"""NextN speculative decoding (chain and tree) on the tiny DeepSeek-V4: acceptance, verify cost and
+decode speed per configuration, drafter and batch size, as ratios to no-spec measured in the same run.
+
+    python -m sglang_dsv4_ascend.bench spec --algo nextn [--preset flash|pro] [--batch 1,8]
+        [--configs nospec,chain1,chain2,chain3,tree2,tree4] [--new-tokens 32] [--prompt-len 64]
+        [--drafters nextn,replay] [--threads N] [--server]
+
+Configurations (CONFIGS): chainK = topk 1, K steps, K + 1 draft tokens; tree2 = topk 2, 3 steps, 6
+draft tokens; tree4 = topk 4, 3 steps, 8 draft tokens. "nospec" is always run: it is the baseline of
+the ratios, of the lossless check and of the replay references. Drafters: "nextn" is the
+checkpoint's NextN block (random weights: acceptance near zero, recorded anyway); "replay" is the
+test drafter (speculative/drafters.py) in "full" mode, fed the no-spec greedy outputs, so it
+proposes the right tokens and acceptance is maximal: it bounds what the spec machinery costs.
+
+Prompts: the packaged gsm8k / humaneval / mt-bench sets (first turns, taken round-robin), tokenized
+with the checkpoint's tokenizer (transformers AutoTokenizer, BOS included) and cut to
+`--prompt-len` tokens; prompts shorter than that are skipped, so every request has the same length.
+Decoding is greedy and ignores EOS: every request gets `--new-tokens` tokens.
+
+In process (default): the model, the NextN block and speculative/engine.NextNEngine (the round the
+server's worker runs), with a fresh cache per run, after an untimed warm-up (a few tokens of every
+configuration at every batch size: TorchScript profiles its first runs). One forward prefills the batch (untimed, its
+last rows give each request's first token); then no-spec is a greedy loop of one forward of B
+one-token segments per step, and spec is NextNEngine rounds, a request leaving the batch once it
+has its tokens. tok/s = decode tokens (new_tokens - 1 per request: the first comes from the
+prefill) / decode wall time. Per round: draft / verify / accept / extend wall time (the engine's
+timings, ms per batch round); per request-round: accept length (bonus included), how deep the
+accepted path reached, verified tokens (tree nodes incl. root) and target rows (the engine verifies
+each root-to-leaf path as its own segment: sum over leaves of depth + 1). `lossless`: the greedy
+spec output equals the no-spec one token for token for every request (the no-spec reference is
+decoded `max steps` tokens further, so a last round's overshoot is checked too). Reported, never
+asserted here (tests/unit/test_bench_spec.py asserts it).
+
+`--server`: per configuration and drafter a real SGLang server (tools/server.SGLangServer, started
+and stopped each time; the replay drafter through SGLANG_DSV4_TEST_DRAFTER=replay:FILE, its
+references being the no-spec server's outputs), one untimed warm-up request, then the batch sent
+concurrently (one thread per request). From meta_info: completion_tokens, spec_verify_ct,
+spec_accept_length and spec_correct_drafts_histogram; tok/s = completion tokens / wall time of the
+batch (prefill included, which a server does not separate). `--threads` sets this process's torch
+threads only, not the server's.
+
+Progress lines go to stderr, the JSON document to stdout. Timings are measurements of one run on
+this machine (noisy at a few ms per round: compare within a run), not checked against anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import torch
+
+# name -> (topk, num_steps, num_draft_tokens); None = no speculation
+CONFIGS = {
+    "nospec": None,
+    "chain1": (1, 1, 2),
+    "chain2": (1, 2, 3),
+    "chain3": (1, 3, 4),
+    "tree2": (2, 3, 6),
+    "tree4": (4, 3, 8),
+}
+DRAFTERS = ("nextn", "replay")
+
+IN_PROCESS_METRICS = {
+    "mean_accept_length": "tokens emitted per request-round (accepted drafts + bonus)",
+    "accept_rate_by_depth": "[k-1]: fraction of request-rounds whose accepted path reached depth >= k",
+    "verified_tokens_per_round": "draft-tree nodes incl. the root, per request-round",
+    "target_rows_per_round": "target rows the verify ran (one segment per root-to-leaf path: sum of depth + 1 "
+                             "over leaves), per request-round",
+    "<stage>_ms_per_round": "NextNEngine.round timings (draft, verify, accept, extend), ms per batch round",
+    "lossless": "greedy spec output == no-spec output for every request",
+}
+SERVER_METRICS = {
+    "spec_accept_length": "as SGLang computes it: completion_tokens / spec_verify_ct, summed over the batch "
+                          "(counts the prefill's token)",
+    "spec_correct_drafts_histogram": "rounds by accepted drafts (0..steps), summed over the batch",
+    "mean_accept_length": "from the histogram: 1 + mean accepted drafts per round",
+    "accept_rate_by_depth": "from the histogram: [k-1] = fraction of rounds accepting >= k drafts",
+    "lossless": "spec output_ids == the no-spec server's output_ids for every request",
+}
+ALGOS = ("nextn",)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
+
+
+def _prompt_ids(ckpt: str, n: int, prompt_len: int) -> list:
+    """`n` prompts of exactly `prompt_len` tokens from the packaged sets, round-robin."""
+    from transformers import AutoTokenizer
+
+    from ..data import PROMPT_SETS, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    sets = [load_prompts(name, max_chars=None) for name in PROMPT_SETS]
+    out = []
+    for i in range(max(len(s) for s in sets)):
+        for s in sets:
+            if i < len(s):
+                ids = tok(s[i])["input_ids"]
+                if len(ids) >= prompt_len:
+                    out.append(list(ids[:prompt_len]))
+                    if len(out) == n:
+                        return out
+    raise ValueError(f"--prompt-len {prompt_len}: only {len(out)} packaged prompts are that long, {n} needed")
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _r(x, nd=3):
+    return None if x is None else round(x, nd)
+
+
+def _depth_rates(depths, steps: int) -> list:
+    """For k = 1..steps: the fraction of request-rounds whose accepted path reached depth >= k."""
+    return [round(sum(d >= k for d in depths) / len(depths), 4) for k in range(1, steps + 1)]
+
+
+class InProcess:
+    """The model, its NextN block and the engine on this process's CPU."""
+
+    def __init__(self, ckpt: str):
+        from ..models.nextn import load_nextn_from_dir
+        from ..models.weights import load_model_from_dir
+
+        self.trunk = load_model_from_dir(ckpt)
+        self.nextn = load_nextn_from_dir(ckpt, self.trunk.cfg)
+        self.model = types.SimpleNamespace(model=self.trunk, nextn=self.nextn, cfg=self.trunk.cfg)
+
+    @torch.no_grad()
+    def _prefill(self, cache, prompts):
+        from ..models.dsv4_core import Segment
+
+        segs, off, last = [], 0, []
+        for b, p in enumerate(prompts):
+            segs.append(Segment(b, 0, len(p)))
+            off += len(p)
+            last.append(off - 1)
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        aux = {}
+        h = self.trunk(ids, pos, segs, cache, aux=aux)
+        first = self.trunk.compute_logits(h[torch.tensor(last)]).argmax(-1).tolist()
+        return segs, last, first, aux["streams"]
+
+    @torch.no_grad()
+    def nospec(self, prompts, new_tokens: int, total: int, max_len: int) -> dict:
+        """Greedy decode of `total` tokens per request; timed over the first `new_tokens`."""
+        from ..models.dsv4_core import Segment
+
+        B = len(prompts)
+        cache = self.trunk.make_cache(B, max_len)
+        _, _, first, _ = self._prefill(cache, prompts)
+        outs = [[t] for t in first]
+        lens = [len(p) for p in prompts]
+        decode_s = 0.0
+        t0 = time.perf_counter()
+        for step in range(1, total):
+            ids = torch.tensor([o[-1] for o in outs])
+            pos = torch.tensor(lens)
+            h = self.trunk(ids, pos, [Segment(b, lens[b], 1) for b in range(B)], cache)
+            nxt = self.trunk.compute_logits(h).argmax(-1).tolist()
+            for b in range(B):
+                outs[b].append(nxt[b])
+                lens[b] += 1
+            if step == new_tokens - 1:
+                decode_s = time.perf_counter() - t0
+        return {"outputs": outs, "decode_s": decode_s, "steps": new_tokens - 1}
+
+    @torch.no_grad()
+    def spec(self, prompts, shape, drafter_factory, new_tokens: int, max_len: int) -> dict:
+        from ..speculative.engine import NextNEngine
+
+        topk, steps, ndraft = shape
+        B = len(prompts)
+        cache = self.trunk.make_cache(B, max_len, ndraft)
+        eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
+        segs, last, first, streams = self._prefill(cache, prompts)
+        shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
+        eng.extend(segs, torch.tensor(shifted), streams, list(enumerate(last)))
+        outs = [[t] for t in first]
+        lens = [len(p) for p in prompts]
+        accept, depths, verified, rows = [], [], [], []
+        timings = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "extend": 0.0}
+        rounds = 0
+        active = [b for b in range(B) if len(outs[b]) < new_tokens]
+        t0 = time.perf_counter()
+        while active:
+            r = eng.round(active, [lens[b] for b in active], [outs[b][-1] for b in active], None,
+                          [prompts[b] + outs[b] for b in active])
+            rounds += 1
+            for k in timings:
+                timings[k] += r.timings[k]
+            for b, em, n, path, tree in zip(active, r.emitted, r.accept_lens, r.paths, r.trees):
+                outs[b] += em
+                lens[b] += n
+                accept.append(n)
+                depths.append(len(path) - 1)
+                verified.append(tree.n)
+                dep = tree.depth()
+                rows.append(sum(dep[leaf] + 1 for leaf in tree.leaves()))
+            active = [b for b in active if len(outs[b]) < new_tokens]
+        decode_s = time.perf_counter() - t0
+        return {"outputs": outs, "decode_s": decode_s, "rounds": rounds, "accept": accept, "depths": depths,
+                "verified": verified, "rows": rows, "timings": timings}
+
+
+def _replay_file(d: str, prompts, refs, tag: str) -> str:
+    path = os.path.join(d, f"replay-{tag}.json")
+    with open(path, "w") as f:
+        json.dump({"sequences": [p + o for p, o in zip(prompts, refs)], "mode": "full"}, f)
+    return path
+
+
+def _drafter_factory(name: str, replay_path: str | None):
+    from ..speculative.drafters import NextNDrafter, ReplayDrafter
+
+    if name == "nextn":
+        return NextNDrafter
+    return lambda e: ReplayDrafter(e, replay_path)
+
+
+def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int) -> list:
+    spec_cfgs = [c for c in configs if CONFIGS[c] is not None]
+    extra = max([CONFIGS[c][1] for c in spec_cfgs], default=0)
+    max_len = prompt_len + new_tokens + extra + 2
+    ip = InProcess(ckpt)
+    all_prompts = _prompt_ids(ckpt, max(batches), prompt_len)
+    # warm-up (untimed): the first forwards of a shape pay one-time costs (TorchScript profiling)
+    for B in batches:
+        ip.nospec(all_prompts[:B], 3, 3, max_len)
+        for c in spec_cfgs:
+            ip.spec(all_prompts[:B], CONFIGS[c], _drafter_factory("nextn", None), 3, max_len)
+    _log(f"warm-up done ({', '.join(configs)} at batch {batches})")
+    results = []
+    for B in batches:
+        prompts = all_prompts[:B]
+        base = ip.nospec(prompts, new_tokens, new_tokens + extra, max_len)
+        refs = base["outputs"]
+        base_tok = B * base["steps"]
+        base_tps = base_tok / base["decode_s"]
+        results.append({"config": "nospec", "drafter": None, "batch": B, "decode_tokens": base_tok,
+                        "decode_s": _r(base["decode_s"], 4), "tok_s": _r(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
+        _log(f"batch {B} nospec: {base_tps:.1f} tok/s")
+        replay = _replay_file(workdir, prompts, refs, f"b{B}")
+        for c in spec_cfgs:
+            topk, steps, ndraft = CONFIGS[c]
+            for dr in drafters:
+                s = ip.spec(prompts, CONFIGS[c], _drafter_factory(dr, replay), new_tokens, max_len)
+                tps = base_tok / s["decode_s"]
+                lossless = all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))
+                n = s["rounds"]
+                row = {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
+                       "rounds": n, "request_rounds": len(s["accept"]),
+                       "mean_accept_length": _r(_mean(s["accept"]), 4),
+                       "accept_rate_by_depth": _depth_rates(s["depths"], steps),
+                       "verified_tokens_per_round": _r(_mean(s["verified"]), 4),
+                       "target_rows_per_round": _r(_mean(s["rows"]), 4),
+                       **{f"{k}_ms_per_round": _r(v * 1e3 / n, 3) for k, v in s["timings"].items()},
+                       "decode_tokens": base_tok, "decode_s": _r(s["decode_s"], 4), "tok_s": _r(tps, 1),
+                       "tok_s_ratio_to_nospec": _r(tps / base_tps, 3), "lossless": lossless}
+                results.append(row)
+                _log(f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
+                     f"(x{row['tok_s_ratio_to_nospec']}), lossless {lossless}")
+    return results
+
+
+def _server_batch(srv, prompts, max_new_tokens: int):
+    outs = [None] * len(prompts)
+    errors = []
+
+    def one(i):
+        try:
+            outs[i] = srv.generate(prompts[i], max_new_tokens, temperature=0, ignore_eos=True)
+        except Exception as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return outs, wall
+
+
+def _server_row(c, dr, B, shape, startup, outs, wall, base) -> dict:
+    topk, steps, ndraft = shape
+    metas = [o["meta_info"] for o in outs]
+    tokens = sum(m["completion_tokens"] for m in metas)
+    verify_ct = sum(m.get("spec_verify_ct", 0) for m in metas)
+    hist = [0] * (steps + 1)  # rounds by number of accepted drafts, summed over requests
+    for m in metas:
+        for k, v in enumerate(m.get("spec_correct_drafts_histogram") or []):
+            hist[min(k, steps)] += v
+    n = sum(hist)
+    return {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
+            "startup_s": _r(startup, 1), "spec_verify_ct": verify_ct,
+            "spec_accept_length": _r(tokens / verify_ct, 4) if verify_ct else None,
+            "spec_correct_drafts_histogram": hist,
+            "mean_accept_length": _r(1 + sum(k * v for k, v in enumerate(hist)) / n, 4) if n else None,
+            "accept_rate_by_depth": [round(sum(hist[k:]) / n, 4) for k in range(1, steps + 1)] if n else None,
+            "completion_tokens": tokens, "wall_s": _r(wall, 4), "tok_s": _r(tokens / wall, 1),
+            "tok_s_ratio_to_nospec": _r(tokens / wall / base["tok_s"], 3),
+            "lossless": all(o["output_ids"] == ref for o, ref in zip(outs, base["outputs"]))}
+
+
+def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int) -> list:
+    from ..tools.server import SGLangServer
+
+    spec_cfgs = [c for c in configs if CONFIGS[c] is not None]
+    extra = max([CONFIGS[c][1] for c in spec_cfgs], default=0)
+    all_prompts = _prompt_ids(ckpt, max(batches), prompt_len)
+    common = ("--max-total-tokens", "32768")
+
+    def serve(args, env=None):
+        srv = SGLangServer(ckpt, *args, *common, env=env)
+        t0 = time.perf_counter()
+        srv.start()
+        startup = time.perf_counter() - t0
+        try:
+            srv.generate(all_prompts[0][:8], 2, temperature=0, ignore_eos=True)  # warm-up, untimed
+        except BaseException:
+            srv.stop()
+            raise
+        return srv, startup
+
+    results, base, refs = [], {}, {}
+    srv, startup = serve(())
+    try:
+        for B in batches:
+            prompts = all_prompts[:B]
+            outs, wall = _server_batch(srv, prompts, new_tokens)
+            tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+            base[B] = {"outputs": [o["output_ids"] for o in outs], "tok_s": tokens / wall}
+            ref_outs, _ = _server_batch(srv, prompts, new_tokens + extra)  # untimed: replay references
+            refs[B] = [o["output_ids"] for o in ref_outs]
+            results.append({"config": "nospec", "drafter": None, "batch": B, "startup_s": _r(startup, 1),
+                            "completion_tokens": tokens, "wall_s": _r(wall, 4), "tok_s": _r(tokens / wall, 1),
+                            "tok_s_ratio_to_nospec": 1.0})
+            _log(f"server batch {B} nospec: {tokens / wall:.1f} tok/s")
+    finally:
+        srv.stop()
+    # one file for every batch size (the drafter picks the reference whose prefix the history is)
+    replay = _replay_file(workdir, [p for B in batches for p in all_prompts[:B]],
+                          [o for B in batches for o in refs[B]], "server")
+    for c in spec_cfgs:
+        topk, steps, ndraft = CONFIGS[c]
+        args = ("--speculative-algorithm", "nextn", "--speculative-num-steps", str(steps),
+                "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(ndraft))
+        for dr in drafters:
+            # empty = unset (drafters.make_drafter): the NextN head even if this shell sets it
+            env = {"SGLANG_DSV4_TEST_DRAFTER": f"replay:{replay}" if dr == "replay" else ""}
+            srv, startup = serve(args, env)
+            try:
+                for B in batches:
+                    outs, wall = _server_batch(srv, all_prompts[:B], new_tokens)
+                    results.append(_server_row(c, dr, B, CONFIGS[c], startup, outs, wall, base[B]))
+                    row = results[-1]
+                    _log(f"server batch {B} {c} {dr}: accept {row['spec_accept_length']}, {row['tok_s']} tok/s "
+                         f"(x{row['tok_s_ratio_to_nospec']}), lossless {row['lossless']}")
+            finally:
+                srv.stop()
+    return results
+
+
+def _split(s: str) -> list:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--algo", required=True, help="speculative algorithm (only 'nextn' for now)")
+    ap.add_argument("--preset", default="flash", choices=["flash", "pro"])
+    ap.add_argument("--batch", default="1,8", help="batch sizes (concurrent requests)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)} (nospec always runs)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS), help=f"of {','.join(DRAFTERS)}")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--server", action="store_true", help="measure through real SGLang servers")
+    a = ap.parse_args(argv)
+    if a.algo not in ALGOS:
+        ap.error(f"--algo {a.algo!r}: only {', '.join(ALGOS)} is supported")
+    try:
+        batches = [int(x) for x in _split(a.batch)]
+    except ValueError:
+        ap.error(f"--batch {a.batch!r}: expected comma-separated positive integers")
+    configs, drafters = _split(a.configs), _split(a.drafters)
+    if not batches or min(batches) < 1:
+        ap.error("--batch needs positive sizes")
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs:
+        ap.error(f"--configs {a.configs!r}: unknown {bad}; choose from {','.join(CONFIGS)}")
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad or not drafters:
+        ap.error(f"--drafters {a.drafters!r}: unknown {bad}; choose from {','.join(DRAFTERS)}")
+    if a.new_tokens < 2 or a.prompt_len < 2:
+        ap.error("--new-tokens and --prompt-len must be >= 2")
+    configs = ["nospec"] + [c for c in CONFIGS if c in configs and c != "nospec"]
+    batches = sorted(set(batches))
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from .. import device
+    from ..tools.make_tiny_checkpoint import write_checkpoint
+
+    t0 = time.perf_counter()
+    result = {
+        "bench": "spec",
+        "config": {
+            "algo": a.algo, "mode": "server" if a.server else "in-process", "preset": a.preset, "dtype": "float32",
+            "batch": batches, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
+            "configs": {c: (None if CONFIGS[c] is None else dict(zip(("topk", "steps", "draft_tokens"), CONFIGS[c])))
+                        for c in configs},
+            "drafters": {d: ("the checkpoint's NextN block (random weights)" if d == "nextn" else
+                             "ReplayDrafter mode 'full', references = the no-spec greedy outputs") for d in drafters},
+            "prompts": "packaged gsm8k/humaneval/mt-bench first turns, round-robin, tokenized with the checkpoint's "
+                       "tokenizer (AutoTokenizer, BOS included), cut to prompt_len; shorter ones skipped",
+            "sampling": "greedy, EOS ignored",
+            "tok_s": ("completion tokens / batch wall time, prefill included" if a.server else
+                      "decode tokens (new_tokens - 1 per request) / decode wall time, prefill excluded"),
+            "metrics": SERVER_METRICS if a.server else IN_PROCESS_METRICS,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+            "processor": platform.processor(), "kernel_family": device.kernel_family(),
+        },
+    }
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = write_checkpoint(os.path.join(d, "m"), a.preset, "nextn")
+        run = run_server if a.server else run_in_process
+        result["results"] = run(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

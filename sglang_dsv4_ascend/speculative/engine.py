@@ -1,0 +1,149 @@
+"""One speculative round over our DeepSeek-V4, free of SGLang objects: the worker adapts SGLang's
+batches to it, the benchmark drives it in process.
+
+For a request with committed length L (target and draft caches hold positions < L) and bonus token
+b (the last sample, at position L, in no cache yet):
+
+1. draft: the draft state left by the last draft extend (logits and output streams of its row
+   L-1, which read (b, target streams at L-1)) gives the root's children; each further step runs
+   the NextN block over every current leaf's path (one segment per leaf at start L, writes
+   discarded) and extends the tree (tree.TreeBuilder, SGLang's EAGLE scheme);
+2. verify: the target runs one segment per root-to-leaf path (start L, the path's tokens at
+   L + depth), writes deferred. A node thus sees exactly the committed history and its own
+   ancestors: its SWA window along its path, the compressed entries its own path completes, indexer
+   top-k of its own. Node i's logits come from its row in the first path that holds it. The rows
+   cost sum over leaves of (depth + 1): the price of reusing the chain path unchanged;
+3. accept (accept.py): greedy or lossless rejection sampling over the tree. The accepted path is
+   a prefix of one leaf's path, and only that segment's prefix is stored (`cache.apply(pending,
+   keep=...)`): nothing of a rejected node reaches any cache or compressor row;
+4. draft extend: the NextN block reads (the accepted tokens after b and the new bonus, the
+   target's streams at the accepted rows) at positions L .. L' - 1, into its own SWA cache; its
+   last row is the next round's draft state.
+
+The emitted tokens are tokens[path[1:]] + [bonus]; accept_len = len(path) (bonus included).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.dsv4_core import Segment
+from .accept import accept_batch
+
+
+@dataclass
+class RoundResult:
+    emitted: list  # per request: accepted draft tokens + the bonus
+    accept_lens: list  # per request: len(emitted)
+    bonus: list  # per request: the new bonus token
+    paths: list  # per request: accepted node indices (root first)
+    trees: list  # per request: the verified DraftTree
+    timings: dict = field(default_factory=dict)  # draft / verify / accept / extend seconds
+
+
+class NextNEngine:
+    def __init__(self, model, cache, topk: int, num_steps: int, num_draft_tokens: int, drafter_factory,
+                 generator: torch.Generator, device=None):
+        """`model`: our DeepseekV4ForCausalLM-like object with `.model` (DSV4Model), `.nextn` and
+        `.cfg`; `cache`: the target's DSV4Cache. The draft cache and per-slot draft state are
+        sized like it."""
+        self.model, self.cache = model, cache
+        self.topk, self.num_steps, self.num_draft_tokens = topk, num_steps, num_draft_tokens
+        self.device = torch.device(device if device is not None else "cpu")
+        self.generator = generator
+        cfg = model.cfg
+        self.draft_cache = model.nextn.make_cache(cache.num_slots, cache.max_context_len, cache.spec_slack,
+                                                  device=self.device)
+        self.root_logits = torch.zeros(cache.num_slots, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=model.model.dtype,
+                                        device=self.device)
+        self.drafter = drafter_factory(self)
+
+    def extend(self, segments, next_tokens, streams, finals):
+        """After a target forward committed `segments` (prefill chunks): draft rows for them.
+        `next_tokens` [T]: token i+1 of each row; `streams` [T, hc, d]: the target's pre-head
+        streams; `finals`: (segment index, row) of requests whose draft state this row becomes."""
+        self.drafter.extend(segments, next_tokens, streams, finals)
+
+    @torch.no_grad()
+    def round(self, slots, starts, bonus, sampling=None, histories=None) -> RoundResult:
+        """One draft / verify / accept / commit / draft-extend round for these requests.
+        `sampling[b]`: None (greedy) or the sampler's temperature/top_k/top_p/min_p; `histories[b]`:
+        the request's tokens so far incl. the bonus (read only by the replay drafter)."""
+        t0 = time.perf_counter()
+        trees = self.drafter.draft(slots, starts, bonus, histories)
+        t1 = time.perf_counter()
+
+        segs, ids, pos, node_rows, leaf_seg = [], [], [], [], []
+        for slot, L, tree in zip(slots, starts, trees):
+            first, by_leaf = {}, {}
+            for path in tree.paths():
+                by_leaf[path[-1]] = len(segs)
+                for d, node in enumerate(path):
+                    first.setdefault(node, len(ids) + d)
+                segs.append(Segment(slot, L, len(path)))
+                ids += [tree.tokens[n] for n in path]
+                pos += range(L, L + len(path))
+            node_rows.append([first[i] for i in range(tree.n)])
+            leaf_seg.append(by_leaf)
+        trunk, dev = self.model.model, self.device
+        pending, aux = [], {}
+        hidden = trunk(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache,
+                       pending=pending, aux=aux)
+        rows = torch.tensor([r for rr in node_rows for r in rr], device=dev)
+        logits = trunk.compute_logits(hidden[rows])
+        t2 = time.perf_counter()
+        results = accept_batch(trees, list(torch.split(logits, [t.n for t in trees])),
+                               sampling, self.generator)
+        t3 = time.perf_counter()
+
+        seg_first = [0]
+        for s in segs:
+            seg_first.append(seg_first[-1] + s.length)
+        keep = [0] * len(segs)
+        commit_rows, ext_segs, shifted = [], [], []
+        out = RoundResult([], [], [], [], trees)
+        for b, ((path, tok), tree) in enumerate(zip(results, trees)):
+            leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
+            s = leaf_seg[b][leaf]
+            keep[s] = len(path)
+            commit_rows += range(seg_first[s], seg_first[s] + len(path))
+            emitted = [tree.tokens[n] for n in path[1:]] + [tok]
+            shifted += emitted  # draft row at L + i reads token L + i + 1
+            ext_segs.append(Segment(slots[b], starts[b], len(path)))
+            out.emitted.append(emitted)
+            out.accept_lens.append(len(path))
+            out.bonus.append(tok)
+            out.paths.append(path)
+        self.cache.apply(pending, keep=tuple(keep))
+        ends, acc = [], 0
+        for b, s in enumerate(ext_segs):
+            acc += s.length
+            ends.append((b, acc - 1))
+        self.drafter.extend(ext_segs, torch.tensor(shifted, device=dev),
+                            aux["streams"][torch.tensor(commit_rows, device=dev)], ends)
+        t4 = time.perf_counter()
+        out.timings = dict(draft=t1 - t0, verify=t2 - t1, accept=t3 - t2, extend=t4 - t3)
+        return out
+
+
+def check_tree_shape(steps, topk, draft_tokens) -> None:
+    """The final (SGLang-resolved) shape: steps drafts deep, topk children per leaf, draft_tokens
+    verified nodes including the root."""
+    if steps is None or steps < 1:
+        raise ValueError(f"--speculative-num-steps {steps}: must be >= 1")
+    if topk is None or topk < 1:
+        raise ValueError(f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
+    most = 1 + topk + (steps - 1) * topk * topk  # the root + every candidate EAGLE records
+    if topk == 1 and draft_tokens != steps + 1:
+        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: a chain (topk 1) verifies "
+                         f"steps + 1 = {steps + 1} tokens")
+    if draft_tokens is not None and topk > draft_tokens - 1:
+        raise ValueError(f"--speculative-eagle-topk {topk}: at most --speculative-num-draft-tokens - 1 = "
+                         f"{draft_tokens - 1} (the root's children must fit in the verified tokens)")
+    if draft_tokens is None or not 2 <= draft_tokens <= most:
+        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: with --speculative-num-steps {steps} and "
+                         f"--speculative-eagle-topk {topk} it must be in [2, {most}] (root + recorded candidates)")

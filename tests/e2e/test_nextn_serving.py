@@ -1,0 +1,235 @@
+"""`--speculative-algorithm nextn` through real SGLang servers on the tiny DeepSeek-V4 (fp32):
+greedy output equals serving without speculation token for token, as a chain and as trees (topk 2
+and 4), single and 8 concurrent requests, with chunked prefill; with the real NextN head (random
+weights: it is almost never right) and with the test replay drafter driving full, partial, zero and
+non-first-sibling acceptance on purpose; aborting mid-speculation frees the cache; sampled output
+at temperature 0.8 is distributed like serving without speculation.
+
+Prompts cross the 16-token window, many 4-token blocks and (near 128 and 300 tokens) a 128-token
+block boundary while the server is drafting and verifying.
+"""
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prompts import load_prompts
+
+from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
+from sglang_dsv4_ascend.tools.server import SGLangServer
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 24
+POOL = ("--max-total-tokens", "32768")  # trees reserve topk pages per request per round (SGLang sizing)
+CONFIGS = {
+    "chain3": ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"),
+    "tree2": ("--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"),
+    "tree4": ("--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"),
+}
+
+
+def _server(ckpt, *args, env=None):
+    return SGLangServer(ckpt, *POOL, *args, env=env, startup_timeout=300)
+
+
+def spec_server(ckpt, config, *args, env=None):
+    return _server(ckpt, "--speculative-algorithm", "nextn", *CONFIGS[config], *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("nextn") / "flash"), "flash", "nextn")
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    text = " ".join(load_prompts("gsm8k", 8, max_chars=2000))
+    ids = tok(text).input_ids
+    # humaneval prompts share a long instruction prefix: take their (distinct) ends
+    short = [tok(t).input_ids[-40:] for t in load_prompts("humaneval", 2)]
+    short += [tok(t).input_ids[:40] for t in load_prompts("mt-bench", 2)]
+    # 110 and 124: the decode crosses the 128-token block boundary; 300: three prefill chunks
+    out = short + [ids[:110], ids[120:244], ids[7:307], ids[50:90]]
+    assert len(out) == 8 and all(len(p) > 20 for p in out)
+    assert len({tuple(p[:20]) for p in out}) == 8  # the replay drafter tells requests apart by prefix
+    return out
+
+
+@pytest.fixture(scope="module")
+def nospec(ckpt):
+    with _server(ckpt) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(nospec, prompts):
+    return [nospec.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+
+
+def _concurrent(srv, prompts, **kw):
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: srv.generate(p, N_NEW, ignore_eos=True, **kw), prompts))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_nextn_equals_no_speculation(ckpt, prompts, reference, config):
+    """The real NextN head, single and 8 concurrent requests; the chain server also prefills in
+    128-token chunks with mixed chunks: running requests then ride along a prefill chunk as plain
+    one-token decodes (SGLang's spec-v2 mixed step), and their draft state comes from that step."""
+    extra = ("--chunked-prefill-size", "128", "--enable-mixed-chunk") if config == "chain3" else ()
+    with spec_server(ckpt, config, *extra) as srv:
+        assert "dsv4_ascend NextN worker" in srv.log_text()
+        for p, want in zip(prompts[:3], reference):
+            out = srv.generate(p, N_NEW, ignore_eos=True)
+            assert out["output_ids"] == want
+            assert out["meta_info"]["spec_verify_ct"] > 0
+        outs = _concurrent(srv, prompts)
+        assert [o["output_ids"] for o in outs] == reference
+        if extra:  # prefill chunks ran while requests were decoding: mixed steps happened
+            assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_text())
+
+
+def _replay_file(tmp_path, prompts, reference, modes):
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))
+    return f"replay:{path}"
+
+
+def _histogram(out) -> list:
+    return out["meta_info"]["spec_correct_drafts_histogram"]
+
+
+@pytest.mark.parametrize("config,modes", [
+    ("chain3", ["full", "partial:1", "zero", "cycle", "full", "partial:2", "zero", "full"]),
+    ("tree4", ["full", "sibling", "zero", "cycle", "sibling", "partial:1", "full", "zero"]),
+])
+def test_replay_drives_full_partial_and_zero_acceptance(ckpt, prompts, reference, tmp_path, config, modes):
+    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, modes)}
+    steps = 3
+    with spec_server(ckpt, config, "--chunked-prefill-size", "128", env=env) as srv:
+        assert "TEST replay drafter" in srv.log_text()
+        outs = _concurrent(srv, prompts)
+    assert [o["output_ids"] for o in outs] == reference
+    for mode, out in zip(modes, outs):
+        h, ct = _histogram(out), out["meta_info"]["spec_verify_ct"]
+        assert sum(h) == ct > 0, (mode, h)
+        correct = [k for k, n in enumerate(h) for _ in range(n)]  # correct drafts of each round
+        body = correct[:-1]  # the last round may be cut by max_new_tokens
+        if mode == "full":
+            assert all(c == steps for c in body), (mode, h)
+        elif mode == "zero":
+            assert all(c == 0 for c in correct), (mode, h)
+        elif mode.startswith("partial:"):
+            assert all(c == int(mode[8:]) for c in body), (mode, h)
+        elif mode == "sibling":
+            # the correct token is always the second child: accepted past a rejected first sibling
+            assert body and all(c >= 1 for c in body), (mode, h)
+        elif mode == "cycle":
+            assert {0, 1, steps} <= set(correct), (mode, h)
+
+
+def used_tokens(srv) -> int:
+    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
+        return json.loads(r.read())["loads"][0]["num_used_tokens"]
+
+
+def test_abort_mid_speculation_frees_the_cache(ckpt, prompts, reference, tmp_path):
+    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, ["cycle"] * len(prompts))}
+    with spec_server(ckpt, "tree2", env=env) as srv:
+        idle = used_tokens(srv)
+        victim = {"input_ids": prompts[0], "rid": "victim",
+                  "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("out", srv.post("/generate", victim)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while used_tokens(srv) <= idle + len(prompts[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert used_tokens(srv) > idle, "the victim never held any cache"
+        time.sleep(1.0)  # several speculative rounds
+        srv.post("/abort_request", {"rid": "victim"})
+        t.join(timeout=60)
+        out = result["out"]
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert out["meta_info"]["spec_verify_ct"] > 0
+        deadline = time.monotonic() + 30
+        while used_tokens(srv) != idle and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert used_tokens(srv) == idle
+        # the server still serves, losslessly
+        assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
+
+
+def _samples(srv, prompt, n_requests, n_per):
+    """Tokens 2 and 3 of `n_requests * n_per` sampled completions (token 1 comes from the prefill's
+    sampler; tokens 2.. from speculative rounds)."""
+    def one(_):
+        out = srv.post("/generate", {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0.8, "n": n_per, "ignore_eos": True}})
+        return out if isinstance(out, list) else [out]
+
+    with ThreadPoolExecutor(4) as ex:
+        outs = [o for batch in ex.map(one, range(n_requests)) for o in batch]
+    correct = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outs)
+    return [o["output_ids"] for o in outs], correct
+
+
+def _two_sample_p(a: Counter, b: Counter, top: int = 12) -> float:
+    from scipy.stats import chi2_contingency
+
+    keys = [k for k, _ in (a + b).most_common(top)]
+    rows = [[c[k] for k in keys] + [sum(c.values()) - sum(c[k] for k in keys)] for c in (a, b)]
+    rows = [[x for x, keep in zip(r, map(any, zip(*rows))) if keep] for r in rows]
+    return chi2_contingency(rows)[1]
+
+
+@pytest.fixture(scope="module")
+def sharp_ckpt(ckpt, tmp_path_factory):
+    """The tiny checkpoint with its head scaled x3: random weights give a flat next-token
+    distribution (largest probability ~0.04 at T = 0.8), against which almost no proposal is ever
+    accepted; scaled, the most likely token has ~0.6 and proposals are accepted and rejected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("sharp") / "flash"
+    shutil.copytree(ckpt, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = out / index["head.weight"]
+    tensors = load_file(str(shard))
+    tensors["head.weight"] = tensors["head.weight"] * 3
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return str(out)
+
+
+def test_sampled_speculation_matches_the_target_distribution(sharp_ckpt, prompts, tmp_path):
+    """Temperature 0.8 with the replay drafter proposing the greedy continuation: proposals are
+    accepted or rejected by rejection sampling, and the emitted tokens must be distributed as
+    without speculation. 1600 samples per side (two-sample chi-square over the most frequent
+    tokens, p > 1e-3) detect a 5 % shift of probability mass between tokens with high power."""
+    prompt = prompts[0][:24]
+    with _server(sharp_ckpt) as base_srv:
+        ref = base_srv.generate(prompt, 8)["output_ids"]
+        base, _ = _samples(base_srv, prompt, 25, 64)
+    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, [prompt], [ref], ["full"])}
+    with spec_server(sharp_ckpt, "chain3", "--random-seed", "1", env=env) as srv:
+        spec, accepted = _samples(srv, prompt, 25, 64)
+    assert len(base) == len(spec) == 1600
+    # proposals of both outcomes: accepted drafts, and rounds where the first was rejected
+    assert 200 < accepted < 0.9 * 3 * 1600, f"{accepted} accepted drafts"
+    for pos in (1, 2):
+        p = _two_sample_p(Counter(s[pos] for s in base), Counter(s[pos] for s in spec))
+        assert p > 1e-3, f"token {pos + 1}: spec vs no-spec distributions differ (p = {p:.2e})"
+    p = _two_sample_p(Counter(tuple(s[:2]) for s in base), Counter(tuple(s[:2]) for s in spec))
+    assert p > 1e-3, f"tokens 1-2 jointly: p = {p:.2e}"

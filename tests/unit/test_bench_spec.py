@@ -1,0 +1,91 @@
+"""The NextN speculative-decoding benchmark (`python -m sglang_dsv4_ascend.bench spec`), in process
+on the tiny model with tiny settings: its JSON holds what the run measured, and the measured
+quantities obey what the machinery guarantees (lossless greedy output, maximal acceptance with the
+replay drafter in full mode, tree geometry). Timings are never asserted.
+
+The `--server` mode (a real SGLang server per configuration) is not run in CI: it takes minutes of
+server startups; it is run by hand (`python -m sglang_dsv4_ascend.bench spec --algo nextn --batch 1
+--configs nospec,chain2 --new-tokens 8 --server`).
+"""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from sglang_dsv4_ascend.bench import spec
+
+ARGS = ["--algo", "nextn", "--batch", "1,2", "--configs", "nospec,chain2,tree2", "--new-tokens", "6",
+        "--prompt-len", "24"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert spec.main(ARGS) == 0
+    return json.loads(buf.getvalue())
+
+
+def _rows(report, **match):
+    return [r for r in report["results"] if all(r.get(k) == v for k, v in match.items())]
+
+
+def test_layout(report):
+    cfg = report["config"]
+    assert report["bench"] == "spec" and cfg["algo"] == "nextn" and cfg["mode"] == "in-process"
+    assert cfg["configs"] == {"nospec": None, "chain2": {"topk": 1, "steps": 2, "draft_tokens": 3},
+                              "tree2": {"topk": 2, "steps": 3, "draft_tokens": 6}}
+    assert cfg["batch"] == [1, 2] and cfg["new_tokens"] == 6 and cfg["prompt_len"] == 24
+    # every (config, drafter, batch) once, no-spec once per batch
+    keys = sorted((r["config"], str(r["drafter"]), r["batch"]) for r in report["results"])
+    want = sorted([("nospec", "None", b) for b in (1, 2)] +
+                  [(c, d, b) for c in ("chain2", "tree2") for d in ("nextn", "replay") for b in (1, 2)])
+    assert keys == want
+
+
+def test_spec_is_lossless_and_well_formed(report):
+    for r in _rows(report):
+        if r["config"] == "nospec":
+            assert r["tok_s_ratio_to_nospec"] == 1.0 and r["decode_tokens"] == r["batch"] * 5
+            continue
+        shape = report["config"]["configs"][r["config"]]
+        assert r["lossless"] is True, r
+        assert isinstance(r["tok_s_ratio_to_nospec"], float) and r["tok_s_ratio_to_nospec"] > 0
+        rates = r["accept_rate_by_depth"]
+        assert len(rates) == shape["steps"]
+        assert all(0.0 <= x <= 1.0 for x in rates)
+        assert all(a >= b for a, b in zip(rates, rates[1:])), rates
+        # accept length (bonus included) = 1 + sum over depths of the rate of reaching it
+        assert r["mean_accept_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
+        assert 1.0 <= r["mean_accept_length"] <= shape["steps"] + 1
+        assert r["verified_tokens_per_round"] == shape["draft_tokens"]
+        if shape["topk"] == 1:
+            assert r["target_rows_per_round"] == r["verified_tokens_per_round"]
+        else:
+            assert r["target_rows_per_round"] > r["verified_tokens_per_round"]
+        # every request needs 5 decode tokens; a round emits at most steps + 1 of them
+        assert r["request_rounds"] >= r["batch"] * -(-5 // (shape["steps"] + 1))
+        for k in ("draft", "verify", "accept", "extend"):
+            assert r[f"{k}_ms_per_round"] >= 0
+
+
+def test_replay_full_mode_accepts(report):
+    for c in ("chain2", "tree2"):
+        for r in _rows(report, config=c, drafter="replay"):
+            assert r["mean_accept_length"] > 1.5, r
+            assert r["accept_rate_by_depth"][0] == 1.0, r
+
+
+def test_algo_must_be_nextn(capsys):
+    with pytest.raises(SystemExit) as e:
+        spec.main(["--algo", "eagle3"])
+    assert e.value.code == 2
+    assert "--algo" in capsys.readouterr().err
+
+
+def test_unknown_config_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        spec.main(["--algo", "nextn", "--configs", "chain9"])
+    assert "chain9" in capsys.readouterr().err
