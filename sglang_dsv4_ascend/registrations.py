@@ -99,6 +99,18 @@ def _spec_slack() -> int:
     return int(max(spec.speculative_num_draft_tokens or 0, (spec.speculative_num_steps or 0) + 1))
 
 
+def _platform_worker_cls(orig, self):
+    """SGLang asks an out-of-tree platform for a worker (our CPU platform answers); SGLang's own
+    NPU platform is not out of tree and is never asked, so EAGLE / NEXTN on DeepSeek-V4 would get
+    SGLang's EAGLE worker, which cannot drive our model. Ours is returned where SGLang has none."""
+    cls = orig(self)
+    if cls is not None:
+        return cls
+    from .speculative.worker import worker_cls_for
+
+    return worker_cls_for(self.name)
+
+
 def _handle_eagle_family(orig, server_args):
     """SGLang refuses EAGLE topk > 1 with pages > 1 unless the backend is one of its cascade
     backends, which duplicate pages per branch. Our worker verifies trees as root-to-leaf paths
@@ -140,6 +152,7 @@ HOOK_VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._
 HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
 HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
 HOOK_EAGLE_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_eagle_family"
+HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
 
@@ -175,6 +188,8 @@ HOOKS: list = [
          _hook(HOOK_NORMALIZE_TARGET, ".request_guard:normalize_hook", "AROUND")),
     Hook("eagle_tree_page_check", HOOK_EAGLE_ARGS_TARGET, ("server_args",),
          _hook(HOOK_EAGLE_ARGS_TARGET, ".registrations:_handle_eagle_family", "AROUND")),
+    Hook("nextn_worker_on_builtin_platforms", HOOK_SPEC_WORKER_TARGET, ("self",),
+         _hook(HOOK_SPEC_WORKER_TARGET, ".registrations:_platform_worker_cls", "AROUND")),
     Hook("cpu_spec_last_loc", HOOK_LAST_LOC_TARGET, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
          _hook(HOOK_LAST_LOC_TARGET, ".platforms.cpu_alloc:get_last_loc", "AROUND")),
     Hook("cpu_spec_assign_slots", HOOK_ASSIGN_TARGET,

@@ -1,0 +1,33 @@
+"""Which worker SGLang gets for a speculative algorithm: ours for EAGLE / NEXTN on DeepSeek-V4 on
+any platform (the CPU platform's OOT seam, or the hook for SGLang's builtin NPU platform, which is
+never asked), SGLang's own for everything else."""
+
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    from sglang_dsv4_ascend.speculative import worker as w
+
+    return w
+
+
+def test_builtin_platform_gets_our_worker_for_eagle_on_dsv4(worker, monkeypatch):
+    from sglang_dsv4_ascend import registrations
+
+    monkeypatch.setattr(worker, "_serves_dsv4", lambda: True)
+    for name in ("EAGLE", "NEXTN"):
+        assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name=name)) is worker.DSV4NextNWorker
+    assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="DSPARK")) is None
+    platform_own = object()  # an OOT platform's answer is kept
+    assert registrations._platform_worker_cls(lambda self: platform_own, SimpleNamespace(name="EAGLE")) is platform_own
+
+
+def test_other_models_keep_sglang_workers(worker, monkeypatch):
+    from sglang_dsv4_ascend import registrations
+
+    monkeypatch.setattr(worker, "_serves_dsv4", lambda: False)
+    assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="EAGLE")) is None
+    assert worker.worker_cls_for("EAGLE") is None
