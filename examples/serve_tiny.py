@@ -56,10 +56,12 @@ def main(argv=None) -> int:
         print("[demo] /generate meta_info ->")
         print(json.dumps(gen["meta_info"], indent=2))
         m = gen["meta_info"]
-        if "spec_verify_ct" in m:
-            print(f"[demo] speculative: {m['spec_verify_ct']} verify rounds, accept length "
-                  f"{m['spec_accept_length']:.2f} tokens/round (bonus included), correct drafts per round "
-                  f"(histogram 0..steps): {m.get('spec_correct_drafts_histogram')}")
+        if m.get("spec_verify_ct"):
+            h = m.get("spec_correct_drafts_histogram") or []
+            per_round = 1 + sum(k * n for k, n in enumerate(h)) / max(1, sum(h))
+            print(f"[demo] speculative: {m['spec_verify_ct']} verify rounds, {per_round:.2f} tokens per round "
+                  f"(accepted drafts + bonus; rounds by accepted drafts 0..steps: {h}); SGLang's "
+                  f"spec_accept_length {m['spec_accept_length']:.2f} also counts the prefill's token")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Bad input for DeepSeek-V4 stops the real server with an error that names it and says what to
 fix: a broken checkpoint (dropped tensor, non-checkpoint dtype, wrong config, missing tokenizer
 files), a quantization flag that does not fit the checkpoint, and settings we cannot serve
-(page / chunk sizes, a speculative algorithm). SGLang only logs plugin errors and some of these
+(page / chunk sizes, speculative settings the NextN worker cannot serve). SGLang only logs plugin errors and some of these
 used to fail deep inside transformers or SGLang with messages that point elsewhere, so each case
 starts a real `sglang.launch_server` and reads what it printed (the unmodified checkpoint serves
 in test_dsv4_serving.py). The servers start in parallel."""
@@ -88,14 +88,27 @@ def case_chunked_prefill(d):
     return ["--chunked-prefill-size", "100"], ["--chunked-prefill-size 100: must be a multiple of the page size 128"]
 
 
-def case_speculative(d):
+def case_nextn_on_a_dspark_checkpoint(d):
     return ["--speculative-algorithm", "NEXTN"], [
-        "--speculative-algorithm NEXTN: speculative decoding for DeepSeek-V4 is not available"]
+        "--speculative-algorithm NEXTN:", "has a DSpark draft (mtp.*.main_proj), not a NextN block"]
+
+
+def case_dspark_not_wired(d):
+    return ["--speculative-algorithm", "DSPARK"], [
+        "--speculative-algorithm DSPARK: sglang-dsv4-ascend serves DeepSeek-V4 with NextN speculation"]
+
+
+def case_tree_wider_than_its_draft_tokens(d):
+    write_checkpoint(d, "flash", "nextn")  # a NextN checkpoint: refused by the worker's final check
+    return ["--speculative-algorithm", "nextn", "--speculative-num-steps", "2", "--speculative-eagle-topk", "4",
+            "--speculative-num-draft-tokens", "3"], [
+        "--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 2"]
 
 
 CASES = [case_dropped_tensor, case_float64_weight, case_compress_ratios_length, case_sliding_window_zero,
          case_missing_tokenizer, case_w8a8_flag_on_float_checkpoint, case_unsupported_quantization, case_page_size,
-         case_chunked_prefill, case_speculative]
+         case_chunked_prefill, case_nextn_on_a_dspark_checkpoint, case_dspark_not_wired,
+         case_tree_wider_than_its_draft_tokens]
 
 
 def _attempt(case, root):
