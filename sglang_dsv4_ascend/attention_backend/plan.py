@@ -108,10 +108,9 @@ class ForwardPlan:
         if keep is not None:
             if len(keep) != len(self.segments):
                 raise ValueError(f"keep has {len(keep)} lengths for {len(self.segments)} segments")
-            n = tuple(max(0, min(int(k), s.length)) for k, s in zip(keep, self.segments))
+            n = tuple(_stored(k, s) for k, s in zip(keep, self.segments))
         elif accepted:
-            n = tuple(max(0, min(int(accepted[s.slot]), s.length)) if s.slot in accepted else s.length
-                      for s in self.segments)
+            n = tuple(_stored(accepted[s.slot], s) if s.slot in accepted else s.length for s in self.segments)
         else:
             n = None  # store whole (a static plan's padding included)
         if n not in self._writes:
@@ -125,6 +124,11 @@ class WriteLists:
     swa_dst: torch.Tensor  # their ring rows (flattened [S * R])
     rows: dict  # ratio -> (src rows, dst ring rows (flattened [S * Rc]))
     entries: dict  # ratio -> (new-entry numbers to store, their rows in the entry store)
+
+
+def _stored(n, seg) -> int:
+    """Tokens of `seg` to store: n, within [0, length]."""
+    return max(0, min(int(n), seg.length))
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:

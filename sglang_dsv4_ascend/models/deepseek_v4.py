@@ -96,7 +96,9 @@ def _wants_nextn(cfg) -> bool:
         algo = (get_spec().speculative_algorithm or "").upper()
     except ValueError:  # "config namespace 'spec' not published": outside a server, no worker asks
         return False
-    return algo in ("EAGLE", "NEXTN") and cfg.num_nextn_predict_layers >= 1
+    from ..server_defaults import SPEC_ALGOS
+
+    return algo in SPEC_ALGOS and cfg.num_nextn_predict_layers >= 1
 
 
 EntryClass = [DeepseekV4ForCausalLM]

@@ -80,7 +80,9 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
         # EAGLE/NEXTN: our DeepSeek-V4 worker (other models get SGLang's, which may not run here).
-        return str(algorithm).upper() in ("EAGLE", "NEXTN")
+        from sglang_dsv4_ascend.server_defaults import SPEC_ALGOS
+
+        return str(algorithm).upper() in SPEC_ALGOS
 
     def get_speculative_worker_cls(self, algorithm: str):
         """Our DeepSeek-V4 NextN worker for EAGLE (NEXTN is SGLang's alias); None keeps SGLang's

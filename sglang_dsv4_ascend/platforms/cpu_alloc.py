@@ -6,18 +6,14 @@ only on CPU tensors (every other device keeps SGLang's kernels); see patches/REA
 
 from __future__ import annotations
 
-import torch
-
 
 def get_last_loc(orig, req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
-    """Slot of each request's last allocated token (-1 if none), SGLang's torch formula."""
+    """Slot of each request's last allocated token (-1 if none): SGLang's own torch version."""
     if req_to_token.device.type != "cpu":
         return orig(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
-    return torch.where(
-        prefix_lens_tensor > 0,
-        req_to_token[req_pool_indices_tensor, (prefix_lens_tensor - 1).clamp(min=0)],
-        torch.full_like(prefix_lens_tensor, -1),
-    )
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
 
 
 def assign_req_to_token_pool_func(orig, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,

@@ -77,7 +77,7 @@ class NextNEngine:
         trees = self.drafter.draft(slots, starts, bonus, histories)
         t1 = time.perf_counter()
 
-        segs, ids, pos, node_rows, leaf_seg = [], [], [], [], []
+        segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
         for slot, L, tree in zip(slots, starts, trees):
             first, by_leaf = {}, {}
             for path in tree.paths():
@@ -85,6 +85,7 @@ class NextNEngine:
                 for d, node in enumerate(path):
                     first.setdefault(node, len(ids) + d)
                 segs.append(Segment(slot, L, len(path)))
+                seg_first.append(len(ids))
                 ids += [tree.tokens[n] for n in path]
                 pos += range(L, L + len(path))
             node_rows.append([first[i] for i in range(tree.n)])
@@ -100,9 +101,6 @@ class NextNEngine:
                                sampling, self.generator)
         t3 = time.perf_counter()
 
-        seg_first = [0]
-        for s in segs:
-            seg_first.append(seg_first[-1] + s.length)
         keep = [0] * len(segs)
         commit_rows, ext_segs, shifted = [], [], []
         out = RoundResult([], [], [], [], trees)

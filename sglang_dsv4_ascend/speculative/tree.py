@@ -25,6 +25,15 @@ import torch
 __all__ = ["DraftTree", "TreeBuilder", "topk_stable"]
 
 
+def _root_path(parents, i: int) -> list[int]:
+    """i and its ancestors (parents[...] == -1 ends the walk), topmost first."""
+    out = []
+    while i != -1:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A draft tree in topological order.
@@ -80,11 +89,7 @@ class DraftTree:
         """Node indices from the root to node i, both included."""
         if not 0 <= i < self.n:
             raise IndexError(f"node {i} not in a tree of {self.n} nodes")
-        out = []
-        while i != -1:
-            out.append(i)
-            i = self.parents[i]
-        return out[::-1]
+        return _root_path(self.parents, i)
 
     def paths(self) -> list[list[int]]:
         """path(leaf) for every leaf, in leaves() order."""
@@ -201,11 +206,7 @@ class TreeBuilder:
         """Candidate ids from depth 1 down to cand."""
         if not 0 <= cand < self.num_candidates:
             raise IndexError(f"candidate {cand} not recorded ({self.num_candidates} so far)")
-        out = []
-        while cand != -1:
-            out.append(cand)
-            cand = self._parents[cand]
-        return out[::-1]
+        return _root_path(self._parents, cand)
 
     def tokens_of(self, cand: int) -> list[int]:
         """Token path from depth 1 down to cand (root excluded): the drafter's new context."""

@@ -1,8 +1,9 @@
 """`--speculative-algorithm nextn` (SGLang's EAGLE family) for our DeepSeek-V4: chain (topk 1) and
 tree (topk > 1) drafting with the checkpoint's NextN block, verify, lossless accept, KV commit.
 
-Entered through SGLang's seam for out-of-tree platforms (`get_speculative_worker_cls`; the NPU
-platform will route the builtin name the same way); the scheduler is untouched and sees what it
+Entered through SGLang's seam for out-of-tree platforms (`get_speculative_worker_cls`), and on
+its builtin platforms (the NPU one) through the routing hook (patches/README.md #8, unverified on
+NPU hardware); the scheduler is untouched and sees what it
 expects of a spec-v2 EAGLE worker: `GenerationBatchResult` with `next_token_ids` (stride
 `speculative_num_draft_tokens`), `accept_lens` (bonus included), `new_seq_lens` and an
 `EagleDraftInput` (subclass) carrying each request's bonus token. The round itself is
@@ -22,12 +23,12 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
+from ..server_defaults import SPEC_ALGOS
 from .drafters import make_drafter
 from .engine import NextNEngine, check_tree_shape
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
-EAGLE_NAMES = ("EAGLE", "NEXTN")
 
 
 def _serves_dsv4() -> bool:
@@ -45,7 +46,7 @@ def _serves_dsv4() -> bool:
 
 def worker_cls_for(algorithm: str):
     """Our worker for EAGLE / NEXTN on DeepSeek-V4; None (SGLang's own) otherwise."""
-    if str(algorithm).upper() in EAGLE_NAMES and _serves_dsv4():
+    if str(algorithm).upper() in SPEC_ALGOS and _serves_dsv4():
         return DSV4NextNWorker
     return None
 
