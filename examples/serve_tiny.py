@@ -1,16 +1,18 @@
-"""Serve the tiny DeepSeek-V4 with stock SGLang + sglang-dsv4-ascend, speculating with its NextN
-head as a tree, and show a completion with its speculative statistics.
+"""Serve the tiny DeepSeek-V4 with stock SGLang + sglang-dsv4-ascend, speculating with its DSpark
+draft (adaptive verify), and show a completion with its speculative statistics.
 
     python examples/serve_tiny.py [--model-dir DIR] [--preset flash|pro] [--prompt TEXT] [--no-spec]
                                   [-- extra sglang args]
 
-Writes the tiny checkpoint (fixed seed, with a NextN block), starts `python -m sglang.launch_server`
-on it exactly as a user would (the plugin is found through its entry points) with
-`--speculative-algorithm nextn` (3 steps, topk 2, 6 verified tokens), sends one OpenAI chat
-completion and one native /generate, prints both with the speculative statistics SGLang reports
-(accept length, verify rounds, correct drafts per round), and shuts the server down. The model is
-random, so the text is gibberish and the NextN head is almost never right (accept length ~1.0);
-what matters is that it is served by our DeepSeek-V4, speculatively and losslessly.
+Writes the tiny checkpoint (fixed seed, with a DSpark draft, block size 4), starts
+`python -m sglang.launch_server` on it exactly as a user would (the plugin is found through its
+entry points) with `--speculative-algorithm dspark` (adaptive verify: a cost model measured at
+startup, verify lengths chosen from the draft's confidences), sends one OpenAI chat completion and
+one native /generate, prints both with the speculative statistics SGLang reports (accept length,
+verify rounds, correct drafts per round, verified rows per round) and the worker's stage timings,
+and shuts the server down. The model is random, so the text is gibberish and the draft is almost
+never right (accept length ~1.0); what matters is that it is served by our DeepSeek-V4,
+speculatively and losslessly.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     from sglang_dsv4_ascend.tools.server import SGLangServer
 
     print(f"[demo] writing the tiny DeepSeek-V4 ({a.preset}) to {a.model_dir}", flush=True)
-    write_checkpoint(a.model_dir, a.preset, "nextn")
+    write_checkpoint(a.model_dir, a.preset, "dspark")
     spec = [] if a.no_spec else SPEC_ARGS
     print("[demo] starting the SGLang server (a minute or two on 2 CPU cores: SGLang's imports and the "
           f"model load){' with ' + ' '.join(spec) if spec else ''}...", flush=True)
@@ -62,11 +64,16 @@ def main(argv=None) -> int:
             print(f"[demo] speculative: {m['spec_verify_ct']} verify rounds, {per_round:.2f} tokens per round "
                   f"(accepted drafts + bonus; rounds by accepted drafts 0..steps: {h}); SGLang's "
                   f"spec_accept_length {m['spec_accept_length']:.2f} also counts the prefill's token")
+            if m.get("spec_cap_lens_histogram"):
+                print(f"[demo] verified rows per round (anchor included) {m['spec_cap_length']:.2f}, "
+                      f"rounds by verified rows: {m['spec_cap_lens_histogram']}")
+            rec = (srv.server_info().get("internal_states") or [{}])[0].get("dspark_info_record")
+            if rec:
+                print(f"[demo] worker stage ms per round: {rec['stage_ms_per_round']}")
     return 0
 
 
-SPEC_ARGS = ["--speculative-algorithm", "nextn", "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-             "--speculative-num-draft-tokens", "6", "--max-total-tokens", "32768"]
+SPEC_ARGS = ["--speculative-algorithm", "dspark", "--max-total-tokens", "32768"]
 
 
 if __name__ == "__main__":

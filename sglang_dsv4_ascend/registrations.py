@@ -131,6 +131,29 @@ def _handle_eagle_family(orig, server_args):
             declare_resolution(server_args, "sglang_dsv4_ascend.tree_check", attention_backend=BACKEND_NAME)
 
 
+def _handle_dspark(orig, server_args):
+    """SGLang's DSpark argument step refuses every device but CUDA / NPU / XPU, for its own
+    worker's kernels. For DeepSeek-V4 on our backend the worker is ours (plain PyTorch, any
+    device), so on CPU the step runs with the device declared "npu" (its checks that read the
+    device only relax DP-attention rules, which our speculative_problems refuse anyway) and
+    "cpu" is declared back right after (the last declaration wins). Everything else it resolves
+    (draft path = the bundled checkpoint, steps 1, topk 1, draft tokens = gamma + 1, gamma from
+    --speculative-dspark-block-size or the checkpoint) is kept."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    from .server_defaults import BACKEND_NAME
+
+    cfg = resolving_view(server_args)
+    ours = cfg.attention_backend == BACKEND_NAME and cfg.device == "cpu"
+    if ours:
+        declare_resolution(server_args, "sglang_dsv4_ascend.dspark_device", device="npu")
+    try:
+        return orig(server_args)
+    finally:
+        if ours:
+            declare_resolution(server_args, "sglang_dsv4_ascend.dspark_device", device="cpu")
+
+
 def _hook(target: str, fn_path: str, kind: str):
     """Installer for one HookRegistry hook: `fn_path` ("module:function" in this package)
     imported only when the hook is installed."""
@@ -152,6 +175,7 @@ HOOK_VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._
 HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
 HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
 HOOK_EAGLE_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_eagle_family"
+HOOK_DSPARK_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_dspark"
 HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
@@ -188,6 +212,8 @@ HOOKS: list = [
          _hook(HOOK_NORMALIZE_TARGET, ".request_guard:normalize_hook", "AROUND")),
     Hook("eagle_tree_page_check", HOOK_EAGLE_ARGS_TARGET, ("server_args",),
          _hook(HOOK_EAGLE_ARGS_TARGET, ".registrations:_handle_eagle_family", "AROUND")),
+    Hook("dspark_args_on_cpu", HOOK_DSPARK_ARGS_TARGET, ("server_args",),
+         _hook(HOOK_DSPARK_ARGS_TARGET, ".registrations:_handle_dspark", "AROUND")),
     Hook("nextn_worker_on_builtin_platforms", HOOK_SPEC_WORKER_TARGET, ("self",),
          _hook(HOOK_SPEC_WORKER_TARGET, ".registrations:_platform_worker_cls", "AROUND")),
     Hook("cpu_spec_last_loc", HOOK_LAST_LOC_TARGET, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),

@@ -31,7 +31,9 @@ PAGE_SIZE = 128  # every compression ratio (4, 128) divides it: entries stay pag
 # req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
 # carries fixed rings. User flags still win.
 CPU_DSV4_MAX_RUNNING_REQUESTS = 16
-SPEC_ALGOS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE for MTP heads
+NEXTN_ALGOS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE for MTP heads
+DSPARK_ALGO = "DSPARK"
+SPEC_ALGOS = NEXTN_ALGOS + (DSPARK_ALGO,)  # what our speculative worker serves
 
 
 def _raw(server_args, name):
@@ -135,9 +137,27 @@ def speculative_problems(cfg) -> list[str]:
             out.append(msg)
 
     flag = f"--speculative-algorithm {cfg.speculative_algorithm}"
-    need(algo in SPEC_ALGOS, f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with NextN speculation "
-                             "(nextn, its alias eagle) so far; DSpark is not wired yet; supported: nextn")
+    need(algo in SPEC_ALGOS, f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with nextn (its alias eagle) "
+                             "or dspark speculation")
     steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
+    if algo == DSPARK_ALGO:
+        from .speculative.planner import VERIFY_ENV, verify_mode
+
+        gamma = getattr(cfg, "speculative_dspark_block_size", None)
+        need(gamma is None or gamma >= 1, f"--speculative-dspark-block-size {gamma}: must be >= 1")
+        need(topk in (None, 1), f"--speculative-eagle-topk {topk}: DSpark drafts a chain (topk 1)")
+        try:
+            verify_mode()
+        except ValueError as e:
+            out.append(str(e))
+        need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 DSpark draft "
+                                                "is not wired yet; serve the float checkpoint for speculation")
+        missing = _checkpoint_lacks_draft(cfg.model_path, "dspark")
+        need(not missing, f"{flag}: {missing}")
+        for name in ("speculative_dspark_sps_table_path", "speculative_dspark_confidence_sts_path"):
+            path = getattr(cfg, name, None)
+            need(not path or os.path.isfile(path), f"--{name.replace('_', '-')} {path}: no such file")
+        return out
     need(steps is None or steps >= 1, f"--speculative-num-steps {steps}: must be >= 1")
     need(topk is None or topk >= 1, f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
     need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 NextN block is "
@@ -148,14 +168,15 @@ def speculative_problems(cfg) -> list[str]:
         value = getattr(cfg, name, 1.0)
         need(value in (None, 1.0), f"--{name.replace('_', '-')} {value}: the dsv4_ascend NextN worker accepts "
                                    "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
-    if algo in SPEC_ALGOS:
-        missing = _checkpoint_lacks_nextn(cfg.model_path)
+    if algo in NEXTN_ALGOS:
+        missing = _checkpoint_lacks_draft(cfg.model_path, "nextn")
         need(not missing, f"{flag}: {missing}")
     return out
 
 
-def _checkpoint_lacks_nextn(model_path) -> str | None:
-    """A reason when a local checkpoint has no NextN block (`mtp.0.e_proj.weight`), else None."""
+def _checkpoint_lacks_draft(model_path, kind: str) -> str | None:
+    """A reason when a local checkpoint has no draft of `kind` ("nextn": `mtp.0.e_proj.weight`,
+    "dspark": `mtp.0.main_proj.weight`), else None."""
     if not model_path or not os.path.isdir(model_path):
         return None  # a hub id: the loader reports missing tensors by name
     index = os.path.join(model_path, "model.safetensors.index.json")
@@ -173,11 +194,17 @@ def _checkpoint_lacks_nextn(model_path) -> str | None:
                         names.update(f.keys())
     except (OSError, ValueError, KeyError) as e:
         return f"cannot list the tensors of {model_path} ({e})"
-    if "mtp.0.e_proj.weight" in names:
+    has = {"nextn": "mtp.0.e_proj.weight" in names, "dspark": "mtp.0.main_proj.weight" in names}
+    if has[kind]:
         return None
-    kind = "a DSpark draft (mtp.*.main_proj)" if "mtp.0.main_proj.weight" in names else "no draft layers"
-    return (f"{model_path} has {kind}, not a NextN block (mtp.0.e_proj, mtp.0.h_proj, ...); use a checkpoint "
-            "with num_nextn_predict_layers >= 1 and its mtp.0 tensors")
+    found = ("a NextN block (mtp.0.e_proj)" if has["nextn"] else "a DSpark draft (mtp.*.main_proj)"
+             if has["dspark"] else "no draft layers")
+    if kind == "nextn":
+        return (f"{model_path} has {found}, not a NextN block (mtp.0.e_proj, mtp.0.h_proj, ...); use a checkpoint "
+                "with num_nextn_predict_layers >= 1 and its mtp.0 tensors, or --speculative-algorithm dspark on a "
+                "DSpark checkpoint")
+    return (f"{model_path} has {found}, not a DSpark draft (mtp.0.main_proj, mtp.2.markov_head, ...); use a "
+            "DSpark checkpoint (dspark_* config fields and mtp.0..2), or --speculative-algorithm nextn on an MTP one")
 
 
 def _graphs_disabled(server_args) -> dict:
@@ -232,8 +259,8 @@ def model_adjustments(server_args, previous):
     finally:
         if algo:
             declare_resolution(server_args, "sglang_dsv4_ascend.hide_spec", speculative_algorithm=algo)
-    if algo and cfg.device != "cpu":
-        # The worker runs rounds synchronously (SGLang already declares this on CPU).
+    if algo:
+        # The worker runs rounds synchronously (SGLang declares this on CPU for EAGLE, not for DSPARK).
         decl["disable_overlap_schedule"] = True
     # SGLang's DeepSeek-V4 step turns "auto" into fp8_e4m3 (bfloat16 on NPU) for its own pools;
     # ours keep the model dtype, so the resolved value says so.

@@ -74,7 +74,7 @@ IN_PROCESS_METRICS = {
     "verified_tokens_per_round": "draft-tree nodes incl. the root, per request-round",
     "target_rows_per_round": "target rows the verify ran (one segment per root-to-leaf path: sum of depth + 1 "
                              "over leaves), per request-round",
-    "<stage>_ms_per_round": "NextNEngine.round timings (draft, verify, accept, extend), ms per batch round",
+    "<stage>_ms_per_round": "engine round timings (draft, plan, verify, accept, commit, extend), ms per batch round",
     "lossless": "greedy spec output == no-spec output for every request",
 }
 SERVER_METRICS = {
@@ -150,7 +150,7 @@ class InProcess:
         aux = {}
         h = self.trunk(ids, pos, segs, cache, aux=aux)
         first = self.trunk.compute_logits(h[torch.tensor(last)]).argmax(-1).tolist()
-        return segs, last, first, aux["streams"]
+        return segs, last, first, aux
 
     @torch.no_grad()
     def nospec(self, prompts, new_tokens: int, total: int, max_len: int) -> dict:
@@ -184,13 +184,15 @@ class InProcess:
         B = len(prompts)
         cache = self.trunk.make_cache(B, max_len, ndraft)
         eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
-        segs, last, first, streams = self._prefill(cache, prompts)
+        segs, last, first, aux = self._prefill(cache, prompts)
         shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
-        eng.extend(segs, torch.tensor(shifted), streams, list(enumerate(last)))
+        eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last)))
         outs = [[t] for t in first]
         lens = [len(p) for p in prompts]
         accept, depths, verified, rows = [], [], [], []
-        timings = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "extend": 0.0}
+        from ..speculative.engine import STAGES
+
+        timings = dict.fromkeys(STAGES, 0.0)
         rounds = 0
         active = [b for b in range(B) if len(outs[b]) < new_tokens]
         t0 = time.perf_counter()

@@ -12,6 +12,8 @@ from torch import nn
 from ..config import DSV4Config
 from .dsv4_core import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
+from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
+from .dspark import PREFIX as DSPARK_PREFIX
 from .nextn import NextN
 from .weights import load_released_weights
 
@@ -46,11 +48,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
         self.logits_processor = LogitsProcessor(config)
-        # The NextN draft block (mtp.0), built only when a speculative worker will use it.
-        self.nextn = NextN(self.cfg, dtype=torch.get_default_dtype()) if _wants_nextn(self.cfg) else None
-        # Set by the speculative worker: keep the last forward's pre-head streams (NextN's input).
-        self.capture_streams = False
-        self.last_streams = None
+        # The draft (NextN's mtp.0 or DSpark's mtp.0..2), built only when a speculative worker will
+        # use it.
+        kind = _draft_kind(self.cfg)
+        self.nextn = NextN(self.cfg, dtype=torch.get_default_dtype()) if kind == "nextn" else None
+        self.dspark = DSparkDraft(self.cfg, dtype=torch.get_default_dtype()) if kind == "dspark" else None
+        # Set by the speculative worker: the aux request of every forward ({"layer_ids": ...}: the
+        # pre-head streams and those layers' streams are kept in `last_aux`, the draft's input).
+        self.capture_aux = None
+        self.last_aux = None
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, **kwargs):
         from sglang.srt.model_executor.forward_context import get_attn_backend
@@ -58,17 +64,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         backend = get_attn_backend()
         meta = backend.forward_metadata
         plan = meta.plan if self.model.attention_impl == "batched" else None
-        aux = {} if self.capture_streams else None
+        aux = dict(self.capture_aux) if self.capture_aux is not None else None
         hidden = self.model(input_ids, positions, meta.segments, backend.cache, plan=plan, aux=aux)
-        if aux is not None:
-            self.last_streams = aux["streams"]
+        self.last_aux = aux
         return self.logits_processor(input_ids, hidden, self.model.head, forward_batch)
+
+    def set_dspark_layers_to_capture(self, layer_ids):
+        """SGLang's DSPARK setup asks the target for its feature layers. Our DSpark worker
+        captures `dspark_target_layer_ids` itself (`capture_aux`); this only records what
+        SGLang asked for."""
+        self.sglang_capture_ids = tuple(layer_ids or ())
 
     def load_weights(self, weights):
         source = _weight_files(getattr(self.config, "_name_or_path", None))
         draft = []
         if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
             weights = _divert(weights, NEXTN_PREFIX, draft)
+        elif self.dspark is not None:
+            weights = _divert(weights, DSPARK_PREFIX, draft)
         if self.quant_description is None:
             load_released_weights(self.model, weights, source=source)
         else:
@@ -77,6 +90,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             load_w8a8_weights(self.model, weights, self.quant_description, source=source)
         if self.nextn is not None:
             load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)
+        elif self.dspark is not None:
+            if not any(item[0] == CONFIDENCE_BIAS for item in draft):  # the released heads have none
+                self.dspark.mtp[-1].confidence_head = ConfidenceHead(self.cfg.hidden_size + self.cfg.dspark_markov_rank,
+                                                                     bias=False)
+            load_dspark(self.dspark, draft, source=source)
 
 
 def _divert(weights, prefix: str, into: list):
@@ -87,18 +105,22 @@ def _divert(weights, prefix: str, into: list):
             yield item
 
 
-def _wants_nextn(cfg) -> bool:
-    """A NextN draft is served: `--speculative-algorithm nextn/eagle` on a checkpoint with an MTP
-    block (DSpark checkpoints also have mtp.*, and their own worker)."""
+def _draft_kind(cfg) -> str | None:
+    """The draft a speculative worker will use: "nextn" for `--speculative-algorithm nextn/eagle`
+    on a checkpoint with an MTP block, "dspark" for `dspark` on one with a DSpark draft."""
     try:
         from sglang.srt.runtime_context import get_spec
 
         algo = (get_spec().speculative_algorithm or "").upper()
     except ValueError:  # "config namespace 'spec' not published": outside a server, no worker asks
-        return False
-    from ..server_defaults import SPEC_ALGOS
+        return None
+    from ..server_defaults import DSPARK_ALGO, NEXTN_ALGOS
 
-    return algo in SPEC_ALGOS and cfg.num_nextn_predict_layers >= 1
+    if algo in NEXTN_ALGOS and cfg.num_nextn_predict_layers >= 1:
+        return "nextn"
+    if algo == DSPARK_ALGO and cfg.dspark_target_layer_ids:
+        return "dspark"
+    return None
 
 
 EntryClass = [DeepseekV4ForCausalLM]

@@ -110,7 +110,8 @@ class DSV4Model(nn.Module):
         start..start+length-1 per segment. `pending`: if a list, cache writes are appended to it
         (`SegmentWrites`, apply with `cache.apply(pending, accepted)`) instead of stored.
         `aux`: if a dict, receives "streams" [T, hc_mult, d] (pre-head mHC streams, for NextN) and
-        "layer_streams" (list of each layer's output streams, for DSpark target features).
+        "layer_streams" ({layer id: its output streams} for the ids in aux["layer_ids"], DSpark's
+        target features; only those are kept).
         `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments)."""
@@ -126,11 +127,12 @@ class DSV4Model(nn.Module):
         torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
                             f"DSV4Model: input_ids outside the vocabulary [0, {self.cfg.vocab_size})")
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        layer_streams = []
-        for layer in self.layers:
+        keep = set(aux.get("layer_ids", ())) if aux is not None else ()
+        layer_streams = {}
+        for i, layer in enumerate(self.layers):
             streams = layer(streams, input_ids, positions, segments, cache, pending, plan)
-            if aux is not None:
-                layer_streams.append(streams)
+            if i in keep:
+                layer_streams[i] = streams
         if aux is not None:
             aux["streams"], aux["layer_streams"] = streams, layer_streams
         h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)

@@ -218,6 +218,7 @@ def accept_batch(
     logits_rows: list[torch.Tensor],
     sampling: list[dict | None] | None,
     generator: torch.Generator,
+    draft_probs: list | None = None,
 ) -> list[tuple[list[int], int]]:
     """Accept every request of a verify batch.
 
@@ -225,7 +226,8 @@ def accept_batch(
     temperature, top_k, top_p, min_p (missing keys default to 1.0, off, 1.0, 0.0), or None for
     greedy; sampling None makes the whole batch greedy. A greedy request (see `is_greedy`) uses
     greedy_accept on the logits' argmax; the others target_probs + sample_accept with `generator`,
-    consumed in batch order.
+    consumed in batch order. draft_probs[b] (chains only): the distributions request b's drafts
+    were sampled from (`sample_accept`); None (or a None entry): deterministic proposals.
     """
     if len(trees) != len(logits_rows) or (sampling is not None and len(sampling) != len(trees)):
         raise ValueError("trees, logits_rows and sampling must have one entry per request")
@@ -244,5 +246,6 @@ def accept_batch(
             continue
         top_p, min_p = float(sp.get("top_p", 1.0)), float(sp.get("min_p", 0.0))
         probs = target_probs(logits, temperature, top_k, top_p, min_p)
-        out.append(sample_accept(tree, probs, generator))
+        q = None if draft_probs is None else draft_probs[b]
+        out.append(sample_accept(tree, probs, generator, q))
     return out

@@ -1,9 +1,10 @@
-"""Drafters for the NextN worker: the checkpoint's NextN block, and a test-only replay drafter.
+"""Drafters: the checkpoint's NextN block, its DSpark draft, and a test-only replay drafter.
 
-A drafter is built with the engine (engine.NextNEngine: model, caches, per-slot draft state, tree
-shape) and has `extend(segments, next_tokens, target_streams, finals)` (called after every target
-forward that commits rows: prefill chunks and accepted verify rows) and `draft(slots, starts, bonus,
-histories) -> [DraftTree]`.
+A drafter is built with the engine (engine.SpecEngine: model, target cache, shape, generator) and
+owns its own state (draft caches, per-slot draft state). It has `extend(segments, next_tokens, aux,
+rows, finals)` (called after every target forward that commits rows: prefill chunks and accepted
+verify rows; `aux` is that forward's captured streams) and `draft(slots, starts, bonus, histories,
+sampling) -> [DraftTree] | engine.Drafts`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ TEST_DRAFTER_ENV = "SGLANG_DSV4_TEST_DRAFTER"  # replay:FILE (tests only; see Re
 
 
 def make_drafter(engine):
+    """The checkpoint's drafter for the engine (DSpark when the engine has a block size `gamma`,
+    else NextN), or the replay test drafter when TEST_DRAFTER_ENV asks for it."""
     spec = os.environ.get(TEST_DRAFTER_ENV, "")
     if not spec:
-        return NextNDrafter(engine)
+        return DSparkDrafter(engine) if hasattr(engine, "gamma") else NextNDrafter(engine)
     kind, _, arg = spec.partition(":")
     if kind != "replay" or not arg:
         raise ValueError(f"{TEST_DRAFTER_ENV}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
-    logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the NextN "
-                   "head; outputs stay lossless, acceptance and speed figures are synthetic", TEST_DRAFTER_ENV,
+    logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the "
+                   "checkpoint's draft; outputs stay lossless, acceptance and speed figures are synthetic", TEST_DRAFTER_ENV,
                    spec, arg)
     return ReplayDrafter(engine, arg)
 
@@ -47,30 +50,38 @@ class NextNDrafter:
     name = "nextn"
 
     def __init__(self, engine):
-        self.w = engine
+        self.w = w = engine
+        cfg, cache = w.model.cfg, w.cache
+        self.draft_cache = w.model.nextn.make_cache(cache.num_slots, cache.max_context_len, cache.spec_slack,
+                                                    device=w.device)
+        # per slot: the logits and output streams of the draft's last committed row
+        self.root_logits = torch.zeros(cache.num_slots, cfg.vocab_size, dtype=torch.float32, device=w.device)
+        self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=w.model.model.dtype,
+                                        device=w.device)
 
     def _step(self, ids, states, segments, pending=None):
         w = self.w
-        return w.model.nextn.step(ids, states, _positions(segments, w.device), segments, w.draft_cache,
+        return w.model.nextn.step(ids, states, _positions(segments, w.device), segments, self.draft_cache,
                                   w.model.model.embed, pending=pending)
 
-    def extend(self, segments, next_tokens, streams, finals):
+    def extend(self, segments, next_tokens, aux, rows, finals):
         """Store the draft rows of committed positions; `finals` (b, row): requests whose last row
         is the draft state of their next round."""
         w = self.w
         if not segments:
             return
+        streams = aux["streams"] if rows is None else aux["streams"][rows]
         hidden, out = self._step(next_tokens, streams, segments)
         if finals:
             rows = torch.tensor([r for _, r in finals], device=w.device)
             slots = torch.tensor([segments[b].slot for b, _ in finals], device=w.device)
-            w.root_logits[slots] = w.model.model.compute_logits(hidden[rows])
-            w.root_streams[slots] = out[rows].to(w.root_streams.dtype)
+            self.root_logits[slots] = w.model.model.compute_logits(hidden[rows])
+            self.root_streams[slots] = out[rows].to(self.root_streams.dtype)
 
-    def draft(self, slots, starts, bonus, histories=None):
-        w = self.w
+    def draft(self, slots, starts, bonus, histories=None, sampling=None):
+        w, root_streams = self.w, self.root_streams
         builders = [TreeBuilder(b, w.topk) for b in bonus]
-        probs0 = torch.softmax(w.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
+        probs0 = torch.softmax(self.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
         leaves = [bld.step(probs0[i: i + 1]) for i, bld in enumerate(builders)]
         streams = [{} for _ in slots]  # per request: candidate id -> the draft's output streams at it
         for _ in range(1, w.num_steps):
@@ -80,7 +91,7 @@ class NextNDrafter:
                     cands = bld.cands_of(c)
                     segs.append(Segment(slot, L, len(cands)))
                     ids += bld.tokens_of(c)
-                    states += [w.root_streams[slot]] + [streams[i][x] for x in cands[:-1]]
+                    states += [root_streams[slot]] + [streams[i][x] for x in cands[:-1]]
                     last.append(len(ids) - 1)
                     owner.append((i, c))
             hidden, out = self._step(torch.tensor(ids, device=w.device), torch.stack(states), segs, pending=[])
@@ -92,6 +103,65 @@ class NextNDrafter:
                 by_req[i].append(k)
             leaves = [bld.step(probs[by_req[i]]) for i, bld in enumerate(builders)]
         return [bld.finish(w.num_draft_tokens)[0] for bld in builders]
+
+
+class DSparkDrafter:
+    """Drafts a chain of gamma tokens per request with the DSpark draft (models/dspark.py): one
+    block forward over [anchor, noise...] against the injected context, then the Markov head left
+    to right at the request's temperature (argmax when greedy). Returns the chains, the
+    distributions q_k = softmax(z_k / T) the sampled drafts were drawn from, and the confidences
+    c_k (the planner's input)."""
+
+    name = "dspark"
+
+    def __init__(self, engine):
+        self.w = w = engine
+        self.net = w.model.dspark
+        self.layer_ids = tuple(w.model.cfg.dspark_target_layer_ids)
+        self.ctx = self.net.make_cache(w.cache.num_slots, w.cache.spec_slack, device=w.device)
+
+    def extend(self, segments, next_tokens, aux, rows, finals):
+        """Inject the target features of every committed row into each stage's ring."""
+        if not segments:
+            return
+        feat = self.net.features(aux["layer_streams"], rows)
+        slots = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments]).to(self.w.device)
+        self.net.inject(self.ctx, feat, slots, _positions(segments, self.w.device))
+
+    @torch.no_grad()
+    def draft(self, slots, starts, bonus, histories=None, sampling=None):
+        from .accept import is_greedy
+        from .engine import Drafts
+        from .tree import DraftTree
+
+        w, d, gamma = self.w, self.net, self.w.gamma
+        trunk = w.model.model
+        anchors = torch.tensor(bonus, dtype=torch.long, device=w.device)
+        U, h = d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.head.weight)
+        temps = []
+        for sp in sampling or [None] * len(slots):
+            t = None if sp is None else float(sp.get("temperature", 1.0))
+            temps.append(None if t is None or is_greedy(t, int(sp.get("top_k", -1))) else t)
+        sampled = [i for i, t in enumerate(temps) if t is not None]
+        T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)
+        prev, tokens, confs = anchors, [], []
+        qs = [[] for _ in slots]
+        markov = d.mtp[-1].markov_head
+        for k in range(1, gamma + 1):
+            z = U[:, k - 1] + markov.bias(prev)
+            confs.append(d.confidence(h[:, k - 1], prev, k))
+            x = z.argmax(dim=-1)
+            if sampled:
+                q = torch.softmax(z[sampled].to("cpu") / T, dim=-1)
+                x[sampled] = torch.multinomial(q, 1, generator=w.generator).view(-1).to(x)
+                for j, i in enumerate(sampled):
+                    qs[i].append(q[j])
+            tokens.append(x)
+            prev = x
+        chains = torch.stack(tokens, dim=1).tolist()
+        trees = [DraftTree([b] + c, list(range(-1, gamma))) for b, c in zip(bonus, chains)]
+        probs = [torch.stack(q) if q else None for q in qs]
+        return Drafts(trees, probs if sampled else None, torch.stack(confs, dim=1))
 
 
 class ReplayDrafter:
@@ -124,7 +194,7 @@ class ReplayDrafter:
         self.vocab = engine.model.cfg.vocab_size
         self.rounds = {}  # slot -> rounds drafted since its prefill
 
-    def extend(self, segments, next_tokens, streams, finals):
+    def extend(self, segments, next_tokens, aux, rows, finals):
         for s in segments:
             if s.start == 0:
                 self.rounds[s.slot] = 0
@@ -149,11 +219,11 @@ class ReplayDrafter:
                 return ref[len(seq): len(seq) + n], mode
         return [], "zero"
 
-    def draft(self, slots, starts, bonus, histories=None):
+    def draft(self, slots, starts, bonus, histories=None, sampling=None):
         w, V = self.w, self.vocab
         if histories is None:
             raise ValueError("the replay drafter needs each request's token history")
-        trees = []
+        trees, confs = [], []
         for slot, seq, b in zip(slots, histories, bonus):
             truth, mode = self._continuation(list(seq), w.num_steps)
             ok = self._correct_depth(mode, self.rounds.get(slot, 0))
@@ -170,6 +240,11 @@ class ReplayDrafter:
                 # the spine leaf's child with the next spine token continues the spine
                 on_spine = next((c for c in leaves if bld.tokens_of(c) == spine[: d + 1]), None)
             trees.append(bld.finish(w.num_draft_tokens)[0])
+            confs.append([0.9 if k < ok else 0.2 for k in range(w.num_steps)])
+        if hasattr(w, "gamma"):  # DSpark: synthetic confidences, high where the replay is right
+            from .engine import Drafts
+
+            return Drafts(trees, None, torch.tensor(confs, dtype=torch.float32))
         return trees
 
     def _probs(self, t, sibling=False):

@@ -25,6 +25,7 @@ The emitted tokens are tokens[path[1:]] + [bonus]; accept_len = len(path) (bonus
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,10 @@ import torch
 
 from ..models.dsv4_core import Segment
 from .accept import accept_batch
+from .tree import DraftTree
+
+
+STAGES = ("draft", "plan", "verify", "accept", "commit", "extend")
 
 
 @dataclass
@@ -41,91 +46,145 @@ class RoundResult:
     bonus: list  # per request: the new bonus token
     paths: list  # per request: accepted node indices (root first)
     trees: list  # per request: the verified DraftTree
-    timings: dict = field(default_factory=dict)  # draft / verify / accept / extend seconds
+    timings: dict = field(default_factory=dict)  # STAGES -> seconds
+    drafted: list = field(default_factory=list)  # per request: draft tokens proposed (before planning)
+    plan: dict = field(default_factory=dict)  # the planner's diagnostics (budget, rows, prediction)
 
 
-class NextNEngine:
-    def __init__(self, model, cache, topk: int, num_steps: int, num_draft_tokens: int, drafter_factory,
-                 generator: torch.Generator, device=None):
-        """`model`: our DeepseekV4ForCausalLM-like object with `.model` (DSV4Model), `.nextn` and
-        `.cfg`; `cache`: the target's DSV4Cache. The draft cache and per-slot draft state are
-        sized like it."""
-        self.model, self.cache = model, cache
-        self.topk, self.num_steps, self.num_draft_tokens = topk, num_steps, num_draft_tokens
+@dataclass
+class Drafts:
+    """What a drafter proposes for a batch: one tree per request (a chain for DSpark), and for
+    chains sampled from a distribution, that distribution per node with a child ([n - 1, V], None
+    for deterministic proposals), and per-position confidences [R, gamma] when the drafter has a
+    confidence head."""
+
+    trees: list
+    draft_probs: list | None = None
+    confidence: torch.Tensor | None = None
+
+    def truncated(self, lens) -> "Drafts":
+        """Chains cut to their first lens[i] drafts (the planner's verify lengths)."""
+        trees, probs = [], []
+        for i, (t, n) in enumerate(zip(self.trees, lens)):
+            trees.append(DraftTree(t.tokens[: n + 1], t.parents[: n + 1]))
+            q = None if self.draft_probs is None else self.draft_probs[i]
+            probs.append(None if q is None else q[:n])
+        return Drafts(trees, probs if self.draft_probs is not None else None, self.confidence)
+
+
+class _Stages:
+    """Wall time per stage, each also a torch.profiler range named `dsv4_spec.<stage>` (the names an
+    NPU timeline shows next to its kernels)."""
+
+    def __init__(self):
+        self.t = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"dsv4_spec.{name}"):
+            yield
+        self.t[name] += time.perf_counter() - t0
+
+
+class SpecEngine:
+    def __init__(self, model, cache, drafter_factory, generator: torch.Generator, device=None, planner=None,
+                 **shape):
+        """`model`: our DeepseekV4ForCausalLM-like object with `.model` (DSV4Model), `.cfg` and its
+        draft (`.nextn` or `.dspark`); `cache`: the target's DSV4Cache. `shape`: the drafter's
+        settings (topk, num_steps, num_draft_tokens for NextN; gamma for DSpark), kept as
+        attributes. `planner` (planner.Planner): trims chains before verify."""
+        self.model, self.cache, self.planner = model, cache, planner
+        for k, v in shape.items():
+            setattr(self, k, v)
         self.device = torch.device(device if device is not None else "cpu")
         self.generator = generator
-        cfg = model.cfg
-        self.draft_cache = model.nextn.make_cache(cache.num_slots, cache.max_context_len, cache.spec_slack,
-                                                  device=self.device)
-        self.root_logits = torch.zeros(cache.num_slots, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=model.model.dtype,
-                                        device=self.device)
         self.drafter = drafter_factory(self)
 
-    def extend(self, segments, next_tokens, streams, finals):
-        """After a target forward committed `segments` (prefill chunks): draft rows for them.
-        `next_tokens` [T]: token i+1 of each row; `streams` [T, hc, d]: the target's pre-head
-        streams; `finals`: (segment index, row) of requests whose draft state this row becomes."""
-        self.drafter.extend(segments, next_tokens, streams, finals)
+    def extend(self, segments, next_tokens, aux, rows, finals):
+        """After a target forward committed `segments`: the drafter's context for them.
+        `next_tokens` [T]: token i+1 of each row; `aux`: the forward's aux (pre-head "streams",
+        "layer_streams"); `rows`: the forward's rows of the segments' tokens (None: all, in order);
+        `finals`: (segment index, row) of requests whose draft state this row becomes."""
+        self.drafter.extend(segments, next_tokens, aux, rows, finals)
 
     @torch.no_grad()
-    def round(self, slots, starts, bonus, sampling=None, histories=None) -> RoundResult:
-        """One draft / verify / accept / commit / draft-extend round for these requests.
+    def round(self, slots, starts, bonus, sampling=None, histories=None, gens=None) -> RoundResult:
+        """One draft / plan / verify / accept / commit / extend round for these requests.
         `sampling[b]`: None (greedy) or the sampler's temperature/top_k/top_p/min_p; `histories[b]`:
-        the request's tokens so far incl. the bonus (read only by the replay drafter)."""
-        t0 = time.perf_counter()
-        trees = self.drafter.draft(slots, starts, bonus, histories)
-        t1 = time.perf_counter()
+        the request's tokens so far incl. the bonus (read only by the replay drafter); `gens[b]`:
+        an id of the request in its slot (the planner's lag ring must not mix requests)."""
+        stage = _Stages()
+        with stage("draft"):
+            drafts = self.drafter.draft(slots, starts, bonus, histories, sampling)
+            if not isinstance(drafts, Drafts):
+                drafts = Drafts(drafts)
+        drafted = [t.n - 1 for t in drafts.trees]
+        plan = {}
+        if self.planner is not None:
+            with stage("plan"):
+                lens = self.planner.plan(slots, gens if gens is not None else [None] * len(slots), drafts.confidence)
+                drafts = drafts.truncated(lens)
+                plan = dict(self.planner.last)
+        trees = drafts.trees
 
-        segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
-        for slot, L, tree in zip(slots, starts, trees):
-            first, by_leaf = {}, {}
-            for path in tree.paths():
-                by_leaf[path[-1]] = len(segs)
-                for d, node in enumerate(path):
-                    first.setdefault(node, len(ids) + d)
-                segs.append(Segment(slot, L, len(path)))
-                seg_first.append(len(ids))
-                ids += [tree.tokens[n] for n in path]
-                pos += range(L, L + len(path))
-            node_rows.append([first[i] for i in range(tree.n)])
-            leaf_seg.append(by_leaf)
-        trunk, dev = self.model.model, self.device
-        pending, aux = [], {}
-        hidden = trunk(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache,
-                       pending=pending, aux=aux)
-        rows = torch.tensor([r for rr in node_rows for r in rr], device=dev)
-        logits = trunk.compute_logits(hidden[rows])
-        t2 = time.perf_counter()
-        results = accept_batch(trees, list(torch.split(logits, [t.n for t in trees])),
-                               sampling, self.generator)
-        t3 = time.perf_counter()
+        with stage("verify"):
+            segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
+            for slot, L, tree in zip(slots, starts, trees):
+                first, by_leaf = {}, {}
+                for path in tree.paths():
+                    by_leaf[path[-1]] = len(segs)
+                    for d, node in enumerate(path):
+                        first.setdefault(node, len(ids) + d)
+                    segs.append(Segment(slot, L, len(path)))
+                    seg_first.append(len(ids))
+                    ids += [tree.tokens[n] for n in path]
+                    pos += range(L, L + len(path))
+                node_rows.append([first[i] for i in range(tree.n)])
+                leaf_seg.append(by_leaf)
+            trunk, dev = self.model.model, self.device
+            pending, aux = [], {"layer_ids": getattr(self.drafter, "layer_ids", ())}
+            hidden = trunk(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache,
+                           pending=pending, aux=aux)
+            rows = torch.tensor([r for rr in node_rows for r in rr], device=dev)
+            logits = trunk.compute_logits(hidden[rows])
+        with stage("accept"):
+            results = accept_batch(trees, list(torch.split(logits, [t.n for t in trees])),
+                                   sampling, self.generator, drafts.draft_probs)
 
-        keep = [0] * len(segs)
-        commit_rows, ext_segs, shifted = [], [], []
-        out = RoundResult([], [], [], [], trees)
-        for b, ((path, tok), tree) in enumerate(zip(results, trees)):
-            leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
-            s = leaf_seg[b][leaf]
-            keep[s] = len(path)
-            commit_rows += range(seg_first[s], seg_first[s] + len(path))
-            emitted = [tree.tokens[n] for n in path[1:]] + [tok]
-            shifted += emitted  # draft row at L + i reads token L + i + 1
-            ext_segs.append(Segment(slots[b], starts[b], len(path)))
-            out.emitted.append(emitted)
-            out.accept_lens.append(len(path))
-            out.bonus.append(tok)
-            out.paths.append(path)
-        self.cache.apply(pending, keep=tuple(keep))
-        ends, acc = [], 0
-        for b, s in enumerate(ext_segs):
-            acc += s.length
-            ends.append((b, acc - 1))
-        self.drafter.extend(ext_segs, torch.tensor(shifted, device=dev),
-                            aux["streams"][torch.tensor(commit_rows, device=dev)], ends)
-        t4 = time.perf_counter()
-        out.timings = dict(draft=t1 - t0, verify=t2 - t1, accept=t3 - t2, extend=t4 - t3)
+        with stage("commit"):
+            keep = [0] * len(segs)
+            commit_rows, ext_segs, shifted = [], [], []
+            out = RoundResult([], [], [], [], trees, drafted=drafted, plan=plan)
+            for b, ((path, tok), tree) in enumerate(zip(results, trees)):
+                leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
+                s = leaf_seg[b][leaf]
+                keep[s] = len(path)
+                commit_rows += range(seg_first[s], seg_first[s] + len(path))
+                emitted = [tree.tokens[n] for n in path[1:]] + [tok]
+                shifted += emitted  # draft row at L + i reads token L + i + 1
+                ext_segs.append(Segment(slots[b], starts[b], len(path)))
+                out.emitted.append(emitted)
+                out.accept_lens.append(len(path))
+                out.bonus.append(tok)
+                out.paths.append(path)
+            self.cache.apply(pending, keep=tuple(keep))
+        with stage("extend"):
+            ends, acc = [], 0
+            for b, s in enumerate(ext_segs):
+                acc += s.length
+                ends.append((b, acc - 1))
+            self.drafter.extend(ext_segs, torch.tensor(shifted, device=dev), aux,
+                                torch.tensor(commit_rows, device=dev), ends)
+        out.timings = stage.t
         return out
+
+
+def NextNEngine(model, cache, topk: int, num_steps: int, num_draft_tokens: int, drafter_factory,
+                generator: torch.Generator, device=None) -> SpecEngine:
+    """The NextN chain / tree engine (no planner: every tree node is verified)."""
+    return SpecEngine(model, cache, drafter_factory, generator, device, topk=topk, num_steps=num_steps,
+                      num_draft_tokens=num_draft_tokens)
 
 
 def check_tree_shape(steps, topk, draft_tokens) -> None:

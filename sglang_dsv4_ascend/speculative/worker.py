@@ -23,9 +23,12 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-from ..server_defaults import SPEC_ALGOS
+from ..models.dspark import load_sts
+from ..server_defaults import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
-from .engine import NextNEngine, check_tree_shape
+from .engine import NextNEngine, SpecEngine, check_tree_shape
+from .planner import CostModel, Planner, measure_cost, verify_mode
+from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
@@ -45,9 +48,9 @@ def _serves_dsv4() -> bool:
 
 
 def worker_cls_for(algorithm: str):
-    """Our worker for EAGLE / NEXTN on DeepSeek-V4; None (SGLang's own) otherwise."""
+    """Our worker for EAGLE / NEXTN / DSPARK on DeepSeek-V4; None (SGLang's own) otherwise."""
     if str(algorithm).upper() in SPEC_ALGOS and _serves_dsv4():
-        return DSV4NextNWorker
+        return DSV4SpecWorker
     return None
 
 
@@ -59,6 +62,14 @@ class DSV4DraftInput(EagleDraftInput):
         super().__init__(bonus_tokens=bonus_tokens, topk_p=bonus_tokens.new_zeros((len(bonus_tokens), 0)).float(),
                          topk_index=bonus_tokens.new_zeros((len(bonus_tokens), 0)), hidden_states=None)
 
+    def prepare_for_decode(self, batch):
+        """SGLang's decode preparation asks a DSPARK batch's draft input to reserve the next
+        round's KV slots (its DFlash inputs over-allocate for overlap scheduling); our rounds are
+        synchronous, so this is the EAGLE reservation NEXTN batches get."""
+        from sglang.srt.speculative.eagle_utils import eagle_prepare_for_decode
+
+        eagle_prepare_for_decode(batch)
+
     def filter_batch(self, new_indices, new_indices_cpu=None):
         self.bonus_tokens = self.bonus_tokens[new_indices]
         self.topk_p, self.topk_index = self.topk_p[new_indices], self.topk_index[new_indices]
@@ -69,7 +80,7 @@ class DSV4DraftInput(EagleDraftInput):
         self.topk_index = self.topk_index.new_zeros((len(self.bonus_tokens), 0))
 
 
-class DSV4NextNWorker(BaseSpecWorker):
+class DSV4SpecWorker(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
         from sglang.srt.runtime_context import get_spec
@@ -78,18 +89,30 @@ class DSV4NextNWorker(BaseSpecWorker):
         self.server_args = server_args
         self._target_worker = target_worker
         self._draft_worker = None
-        self.topk = spec.speculative_eagle_topk or 1
-        self.num_steps = spec.speculative_num_steps
+        self.algo = str(spec.speculative_algorithm).upper()
         self.num_draft_tokens = spec.speculative_num_draft_tokens
-        check_tree_shape(self.num_steps, self.topk, self.num_draft_tokens)
         runner = target_worker.model_runner
         self.runner = runner
         self.model = runner.model
         self.device = torch.device(runner.device)
-        if getattr(self.model, "nextn", None) is None:
-            raise ValueError("--speculative-algorithm nextn: the DeepSeek-V4 model has no NextN (mtp.0) block loaded")
-        self.model.capture_streams = True
+        if self.algo == DSPARK_ALGO:
+            self.gamma = self.num_draft_tokens - 1  # SGLang resolved --speculative-dspark-block-size + 1
+            self.topk, self.num_steps = 1, self.gamma
+            if getattr(self.model, "dspark", None) is None:
+                raise ValueError("--speculative-algorithm dspark: the DeepSeek-V4 model has no DSpark draft loaded")
+            self.verify_mode = verify_mode()
+            self.model.dspark.sts = load_sts(spec.speculative_dspark_confidence_sts_path)
+            self.model.capture_aux = {"layer_ids": tuple(self.model.cfg.dspark_target_layer_ids)}
+        else:
+            self.topk = spec.speculative_eagle_topk or 1
+            self.num_steps = spec.speculative_num_steps
+            check_tree_shape(self.num_steps, self.topk, self.num_draft_tokens)
+            if getattr(self.model, "nextn", None) is None:
+                raise ValueError("--speculative-algorithm nextn: the DeepSeek-V4 model has no NextN (mtp.0) block "
+                                 "loaded")
+            self.model.capture_aux = {}
         self.engine = None
+        self.stats = StageStats()
         seed = getattr(server_args, "random_seed", None)
         self.generator = torch.Generator().manual_seed(int(seed or 0))  # accept draws on the host
 
@@ -101,12 +124,38 @@ class DSV4NextNWorker(BaseSpecWorker):
     def _ensure_state(self):
         """The engine (draft cache, per-slot draft state) is sized like the target's cache, which
         SGLang allocates after this constructor."""
-        if self.engine is None:
+        if self.engine is not None:
+            return
+        if self.algo != DSPARK_ALGO:
             self.engine = NextNEngine(self.model, self.cache, self.topk, self.num_steps, self.num_draft_tokens,
                                       make_drafter, self.generator, device=self.device)
             logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
                         "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
                         self.engine.drafter.name)
+            return
+        cost = None
+        table = get_spec_arg("speculative_dspark_sps_table_path")
+        if self.verify_mode == "adaptive":
+            if table:
+                cost = CostModel.load(table)
+            else:
+                cost = measure_cost(self.model.model, self.cache, self.gamma,
+                                    max_requests=min(self.cache.num_slots, 16))
+            logger.info("dsv4_ascend DSpark verify cost model (%s): t = %.3g + %.3g*requests + %.3g*rows s",
+                        cost.source, cost.c0, cost.c_req, cost.c_tok)
+        planner = Planner(self.gamma, self.verify_mode, cost)
+        self.engine = SpecEngine(self.model, self.cache, make_drafter, self.generator, self.device, planner=planner,
+                                 gamma=self.gamma, topk=1, num_steps=self.gamma, num_draft_tokens=self.gamma + 1)
+        native = self.model.cfg.dspark_block_size
+        logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s", self.gamma,
+                    native, self.verify_mode, self.engine.drafter.name)
+
+    # SGLang's scheduler asks a DSPARK worker for these (log suffix, /get_server_info records)
+    def block_accept_estimate_log_suffix(self) -> str:
+        return self.stats.log_suffix()
+
+    def dump_info_records(self):
+        return self.stats.snapshot()
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         self._ensure_state()
@@ -131,8 +180,8 @@ class DSV4NextNWorker(BaseSpecWorker):
             off += seg.length
             if end >= len(seq):
                 finals.append((b, off - 1))
-        self.engine.extend(segments, torch.tensor(shifted, device=self.device), self.model.last_streams, finals)
-        self.model.last_streams = None
+        self.engine.extend(segments, torch.tensor(shifted, device=self.device), self.model.last_aux, None, finals)
+        self.model.last_aux = None
         out.new_seq_lens = batch.seq_lens  # spec-v2 convention: the committed length
         out.next_draft_input = DSV4DraftInput(out.next_token_ids.to(torch.int64))
         return out
@@ -145,7 +194,9 @@ class DSV4NextNWorker(BaseSpecWorker):
         starts = batch.seq_lens.to("cpu").tolist()
         bonus = batch.spec_info.bonus_tokens.to("cpu").tolist()
         histories = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
-        res = self.engine.round(slots, starts, bonus, _sampling_params(batch), histories)
+        gens = [r.rid for r in batch.reqs]
+        res = self.engine.round(slots, starts, bonus, _sampling_params(batch), histories, gens)
+        self.stats.add(res)
         stride = self.num_draft_tokens
         next_ids = [t for e in res.emitted for t in e + [0] * (stride - len(e))]
         accept = torch.tensor(res.accept_lens, dtype=torch.int32)
@@ -157,6 +208,10 @@ class DSV4NextNWorker(BaseSpecWorker):
             next_draft_input=DSV4DraftInput(torch.tensor(res.bonus, dtype=torch.int64, device=self.device)),
             speculative_num_draft_tokens=stride,
             can_run_cuda_graph=False,
+            # verified rows per request (anchor included): SGLang's cap_lens, reported per request
+            # as spec_cap_length / spec_cap_lens_histogram like its ragged-verify worker's
+            cap_lens=(torch.tensor([t.n for t in res.trees], dtype=torch.int32) if self.algo == DSPARK_ALGO
+                      else None),
         )
 
     def _idle(self, batch):
@@ -169,6 +224,12 @@ class DSV4NextNWorker(BaseSpecWorker):
             accept_lens=empty, new_seq_lens=batch.seq_lens,
             next_draft_input=DSV4DraftInput(torch.zeros(0, dtype=torch.int64, device=self.device)),
             speculative_num_draft_tokens=self.num_draft_tokens, can_run_cuda_graph=False)
+
+
+def get_spec_arg(name):
+    from sglang.srt.runtime_context import get_spec
+
+    return getattr(get_spec(), name, None)
 
 
 def _sampling_params(batch) -> list:

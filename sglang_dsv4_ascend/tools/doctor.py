@@ -47,7 +47,16 @@ SPECULATIVE = {
         "needs": "a checkpoint with a NextN block (mtp.0.e_proj ...), float weights; greedy or temperature / "
                  "top_k / top_p / min_p sampling (penalties, logit bias, grammars, logprobs are refused per request)",
     },
-    "dspark": {"status": "not wired yet (refused at startup)"},
+    "dspark": {
+        "adaptive": "--speculative-algorithm dspark  (gamma = the checkpoint's dspark_block_size; "
+                    "--speculative-dspark-block-size N to change it)",
+        "static": "SGLANG_DSV4_DSPARK_VERIFY=static --speculative-algorithm dspark",
+        "options": "--speculative-dspark-sps-table-path FILE (bench sps; else measured at startup), "
+                   "--speculative-dspark-confidence-sts-path FILE ({\"temperatures\": [...]})",
+        "needs": "a DSpark checkpoint (dspark_* config fields, mtp.0..2 with main_proj / markov_head / "
+                 "confidence_head), float weights; same per-request limits as nextn",
+        "status": "CPU verified (real server, greedy == no speculation, static and adaptive); NPU unverified",
+    },
 }
 
 
@@ -120,7 +129,12 @@ def main(argv=None) -> int:
         print(f"speculative nextn chain: {nx['chain']}")
         print(f"                  tree:  {nx['tree']}")
         print(f"                  needs: {nx['needs']}")
-        print(f"speculative dspark {r['speculative']['dspark']['status']}")
+        ds = r["speculative"]["dspark"]
+        print(f"speculative dspark adaptive: {ds['adaptive']}")
+        print(f"                  static:   {ds['static']}")
+        print(f"                  options:  {ds['options']}")
+        print(f"                  needs:    {ds['needs']}")
+        print(f"                  status:   {ds['status']}")
         for p in r["problems"]:
             print(f"PROBLEM: {p}")
         print("OK" if r["ok"] else "NOT OK")

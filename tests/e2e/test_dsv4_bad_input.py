@@ -93,9 +93,10 @@ def case_nextn_on_a_dspark_checkpoint(d):
         "--speculative-algorithm NEXTN:", "has a DSpark draft (mtp.*.main_proj), not a NextN block"]
 
 
-def case_dspark_not_wired(d):
+def case_dspark_on_a_nextn_checkpoint(d):
+    write_checkpoint(d, "flash", "nextn")
     return ["--speculative-algorithm", "DSPARK"], [
-        "--speculative-algorithm DSPARK: sglang-dsv4-ascend serves DeepSeek-V4 with NextN speculation"]
+        "--speculative-algorithm DSPARK:", "has a NextN block (mtp.0.e_proj), not a DSpark draft"]
 
 
 def case_tree_wider_than_its_draft_tokens(d):
@@ -107,7 +108,7 @@ def case_tree_wider_than_its_draft_tokens(d):
 
 CASES = [case_dropped_tensor, case_float64_weight, case_compress_ratios_length, case_sliding_window_zero,
          case_missing_tokenizer, case_w8a8_flag_on_float_checkpoint, case_unsupported_quantization, case_page_size,
-         case_chunked_prefill, case_nextn_on_a_dspark_checkpoint, case_dspark_not_wired,
+         case_chunked_prefill, case_nextn_on_a_dspark_checkpoint, case_dspark_on_a_nextn_checkpoint,
          case_tree_wider_than_its_draft_tokens]
 
 

@@ -68,7 +68,9 @@ def cpu_results(tiny_ckpt):
         "nextn_chain": ["--speculative-algorithm", "NEXTN"],
         "nextn_tree": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "3",
                        "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
-        "dspark_algo": ["--speculative-algorithm", "DSPARK"],
+        "dspark_topk": ["--speculative-algorithm", "dspark", "--speculative-eagle-topk", "2"],
+        "dspark_sts_missing": ["--speculative-algorithm", "dspark", "--speculative-dspark-confidence-sts-path",
+                               "/nonexistent/sts.json"],
         "spec_threshold": ["--speculative-algorithm", "nextn", "--speculative-accept-threshold-single", "0.5"],
         "spec_steps0": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "0",
                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "1"],
@@ -107,7 +109,8 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("ep2", "--ep-size 2: expert parallelism"),
     ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
     ("tokenizer_workers", "--tokenizer-worker-num 2:"),
-    ("dspark_algo", "--speculative-algorithm DSPARK: sglang-dsv4-ascend serves DeepSeek-V4 with NextN"),
+    ("dspark_topk", "--speculative-eagle-topk 2: DSpark drafts a chain (topk 1)"),
+    ("dspark_sts_missing", "--speculative-dspark-confidence-sts-path /nonexistent/sts.json: no such file"),
     ("spec_threshold", "--speculative-accept-threshold-single 0.5: the dsv4_ascend NextN worker accepts losslessly"),
     ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
     ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
@@ -129,6 +132,22 @@ def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):
     assert chain["speculative_eagle_topk"] == 1
     assert chain["speculative_num_draft_tokens"] == chain["speculative_num_steps"] + 1
     assert (tree["speculative_eagle_topk"], tree["speculative_num_steps"], tree["speculative_num_draft_tokens"]) == (4, 3, 8)
+
+
+def test_dspark_resolves_on_cpu_with_our_backend(tmp_path):
+    """SGLang's DSpark step refuses CPU for its own kernels; ours runs it (hook #10) and keeps what
+    it resolves: steps 1, topk 1, draft tokens = gamma + 1 (the checkpoint's 4, or the flag's)."""
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    ck = write_checkpoint(str(tmp_path / "dspark"), "flash", "dspark")
+    res, _ = resolve(ck, [["--speculative-algorithm", "DSPARK"],
+                          ["--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"]])
+    for d, gamma in zip(res, (4, 6)):
+        assert "error" not in d, d
+        assert d["speculative_algorithm"] == "DSPARK" and d["device"] == "cpu", d
+        assert d["attention_backend"] == "dsv4_ascend" and d["disable_overlap_schedule"] is True, d
+        assert (d["speculative_num_steps"], d["speculative_eagle_topk"], d["speculative_num_draft_tokens"]) == (
+            1, 1, gamma + 1), d
 
 
 def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(tmp_path):

@@ -1,4 +1,4 @@
-"""Which worker SGLang gets for a speculative algorithm: ours for EAGLE / NEXTN on DeepSeek-V4 on
+"""Which worker SGLang gets for a speculative algorithm: ours for EAGLE / NEXTN / DSPARK on DeepSeek-V4 on
 any platform (the CPU platform's OOT seam, or the hook for SGLang's builtin NPU platform, which is
 never asked), SGLang's own for everything else."""
 
@@ -18,9 +18,9 @@ def test_builtin_platform_gets_our_worker_for_eagle_on_dsv4(worker, monkeypatch)
     from sglang_dsv4_ascend import registrations
 
     monkeypatch.setattr(worker, "_serves_dsv4", lambda: True)
-    for name in ("EAGLE", "NEXTN"):
-        assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name=name)) is worker.DSV4NextNWorker
-    assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="DSPARK")) is None
+    for name in ("EAGLE", "NEXTN", "DSPARK"):
+        assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name=name)) is worker.DSV4SpecWorker
+    assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="NGRAM")) is None
     platform_own = object()  # an OOT platform's answer is kept
     assert registrations._platform_worker_cls(lambda self: platform_own, SimpleNamespace(name="EAGLE")) is platform_own
 

@@ -1,0 +1,241 @@
+"""The DeepSeek-V4 DSpark draft (reference §1.8, §2.2-2.3): three V4 blocks `mtp.0..2` fed by
+target features, a Markov head and a confidence head.
+
+Target features. For a committed position p, with S_l(p) the output streams of target layer l:
+    f_p = main_norm(main_proj(concat_{l in dspark_target_layer_ids} mean_streams S_l(p)))     [d]
+Context injection: every stage s keeps its own SWA ring; position p's key/value there is
+    kv_s(p) = RoPE_p(kv_norm_s(wkv_s f_p))         (no mHC, no attn_norm on this path)
+so the draft never runs its blocks over context tokens.
+
+Block. For a request with committed length L and anchor a (the last target sample, position L):
+    inputs x = [a, m, ..., m] (gamma tokens, m = dspark_noise_token_id), positions L .. L+gamma-1,
+    X0 = embed(x) broadcast to the hc streams,  X_{s+1} = Stage_s(X_s) for s = 0, 1, 2,
+where a stage is a V4 block whose attention query at any block row sees the context positions
+L-W .. L-1 of its ring (W = sliding_window) and all gamma block rows (bidirectional inside the
+block), with the attention sink. Then
+    h_k = hc_head_2(X_3)[k-1]          (the confidence head's feature, before the final norm)
+    U_k = head(norm_2(h_k))            base logits of draft token k, k = 1..gamma
+Markov head (rank r, W1 = markov_w1 [V, r], W2 = markov_w2 [V, r]), left to right from x_0 = a:
+    z_k = U_k + W2 W1[x_{k-1}],   x_k = argmax z_k (greedy) or x_k ~ q_k = softmax(z_k / T)
+Confidence head: e_k = proj([h_k ; W1[x_{k-1}]]) in fp32, c_k = sigmoid(e_k / T_k) with the STS
+per-position temperatures T_k (1 without a calibration file). Survival a_k = prod_{i<=k} c_i.
+
+gamma is a runtime choice (`--speculative-dspark-block-size`), independent of the checkpoint's
+native `dspark_block_size`: nothing here is sized by the latter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import DSV4Config
+from ..layers import RMSNorm
+from ..layers.mhc import hc_head, hc_post, hc_pre
+from .dsv4_core import Block, add_hc_head, cast_params
+from .nextn import draft_config
+
+N_STAGES = 3
+
+
+def has_dspark(names) -> bool:
+    return "mtp.0.main_proj.weight" in names
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int, dtype=None, device=None):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank, dtype=dtype, device=device)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False, dtype=dtype, device=device)
+
+    def bias(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """[n, V] fp32: <W1[prev], W2[v]> for every v."""
+        return self.markov_w2(self.markov_w1(prev_tokens)).float()
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, width: int, bias: bool, device=None):
+        super().__init__()
+        self.proj = nn.Linear(width, 1, bias=bias, dtype=torch.float32, device=device)
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return self.proj(feat.float()).squeeze(-1)
+
+
+class Stage(Block):
+    """One DSpark stage: a V4 block (SWA-only attention with sink, non-hash MoE) whose attention
+    runs over [its injected context ring; the block], bidirectionally inside the block."""
+
+    def forward(self, streams, input_ids, positions, ctx):
+        y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        out = self._attention(self.attn_norm(y), positions, ctx)
+        streams = hc_post(streams, out, post, comb)
+        y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
+        out = self.ffn(self.ffn_norm(y), input_ids)
+        return hc_post(streams, out, post, comb)
+
+    def _attention(self, x, positions, ctx):
+        a = self.attn
+        cos, sin, _, q, kv = a._project(x, positions)
+        ring = ctx.rings[ctx.stage_index[id(self)]]
+        pool = torch.cat([ring.flatten(0, 1), kv.to(ring.dtype)])
+        out = ops.sparse_attention_with_sink(q, pool, ctx.key_rows, ctx.key_ok, a.attn_sink, a.head_dim**-0.5)
+        return a._finish(out, cos, sin)
+
+    def inject(self, feat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Context K/V of target features `feat` [n, d] at `positions` [n]."""
+        cos, sin = self.attn.rotary(positions)
+        return ops.apply_rope(self.attn.kv_norm(self.attn.wkv(feat)), cos, sin)
+
+
+class BlockContext:
+    """Key geometry of one block forward, shared by the three stages: for block row (request i,
+    offset k) the keys are ring rows slot_i * R + (L_i - W + j) % R for j < W (valid when the
+    position is >= 0) and the block rows i * gamma + 0 .. gamma - 1 (always valid)."""
+
+    def __init__(self, draft: "DSparkDraft", cache: "DSparkCache", slots, starts, gamma: int, device):
+        self.rings, self.stage_index = cache.rings, {id(s): i for i, s in enumerate(draft.mtp)}
+        W, R, n = cache.window, cache.ring, len(slots)
+        slot = torch.as_tensor(slots, dtype=torch.long).view(n, 1)
+        L = torch.as_tensor(starts, dtype=torch.long).view(n, 1)
+        ctx_pos = L - W + torch.arange(W)
+        ctx_rows = slot * R + ctx_pos.clamp(min=0) % R  # [n, W]
+        blk_rows = cache.rings.shape[1] * R + torch.arange(n * gamma).view(n, gamma)  # after the rings
+        rows = torch.cat([ctx_rows, blk_rows], dim=1).repeat_interleave(gamma, dim=0)
+        ok = torch.cat([ctx_pos >= 0, torch.ones(n, gamma, dtype=torch.bool)], dim=1).repeat_interleave(gamma, dim=0)
+        self.key_rows, self.key_ok = rows.to(device), ok.to(device)
+
+
+class DSparkCache:
+    """Per stage, an SWA ring of injected context K/V: rings [3, num_slots + 1, R, head_dim] with
+    R = sliding_window + slack; row of position p is p % R. Only committed positions are written
+    (the block's own rows are recomputed every round), so validity is the committed length, as
+    for the target's cache; the slack keeps a re-draft from the same L (tests) exact."""
+
+    def __init__(self, cfg: DSV4Config, num_slots: int, slack: int, dtype=torch.float32, device=None):
+        self.window, self.ring, self.num_slots = cfg.sliding_window, cfg.sliding_window + slack, num_slots
+        self.rings = torch.zeros(N_STAGES, num_slots + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
+        self.device = device
+
+    def nbytes(self) -> int:
+        return self.rings.numel() * self.rings.element_size()
+
+
+def load_sts(path: str | None) -> list[float] | None:
+    """Per-position confidence temperatures from a calibration JSON: {"temperatures": [T_1, ...]}
+    (a bare list is accepted too). Positions beyond the list use its last value."""
+    if not path:
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    temps = data.get("temperatures") if isinstance(data, dict) else data
+    if not isinstance(temps, list) or not temps or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
+        raise ValueError(f"--speculative-dspark-confidence-sts-path {path}: expected {{\"temperatures\": "
+                         "[T_1, T_2, ...]}} with positive numbers")
+    return [float(t) for t in temps]
+
+
+class DSparkDraft(nn.Module):
+    """`mtp.0..2` of a DSpark checkpoint, parameters under their released names."""
+
+    def __init__(self, cfg: DSV4Config, dtype=torch.float32, device=None, confidence_bias: bool = True):
+        super().__init__()
+        if not cfg.dspark_target_layer_ids or cfg.dspark_markov_rank is None or cfg.dspark_noise_token_id is None:
+            raise ValueError("DSpark draft: the checkpoint config needs dspark_target_layer_ids, dspark_markov_rank "
+                             "and dspark_noise_token_id")
+        self.cfg, self.dtype = cfg, dtype
+        dcfg = draft_config(cfg)
+        if cfg.dspark_n_routed_experts or cfg.dspark_num_experts_per_tok:
+            import dataclasses
+
+            dcfg = dataclasses.replace(dcfg, n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
+                                       num_experts_per_tok=cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok)
+        d, V, r = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+        self.mtp = nn.ModuleList(Stage(dcfg, 0, dtype, device) for _ in range(N_STAGES))
+        first, last = self.mtp[0], self.mtp[-1]
+        n_feat = len(cfg.dspark_target_layer_ids)
+        first.main_proj = nn.Linear(n_feat * d, d, bias=False, dtype=dtype, device=device)
+        first.main_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
+        last.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
+        add_hc_head(last, cfg, device)
+        last.markov_head = MarkovHead(V, r, dtype, device)
+        last.confidence_head = ConfidenceHead(d + r, confidence_bias, device)
+        cast_params(self, dtype)
+        last.confidence_head.float()  # computed in fp32 (reference §2.3)
+        self.sts = None  # per-position confidence temperatures (load_sts)
+
+    def make_cache(self, num_slots: int, slack: int, device=None) -> DSparkCache:
+        return DSparkCache(self.cfg, num_slots, slack, dtype=self.dtype, device=device)
+
+    # -- context ---------------------------------------------------------------------------------
+    def features(self, layer_streams: list, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """f for the target rows `rows` (all rows if None) of a forward's `aux["layer_streams"]`."""
+        parts = []
+        for lid in self.cfg.dspark_target_layer_ids:
+            s = layer_streams[lid] if rows is None else layer_streams[lid][rows]
+            parts.append(s.float().mean(dim=1).to(self.dtype))
+        first = self.mtp[0]
+        return first.main_norm(first.main_proj(torch.cat(parts, dim=-1)))
+
+    @torch.no_grad()
+    def inject(self, cache: DSparkCache, feat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store every stage's context K/V for target features `feat` [n, d] of (slot, position)."""
+        if feat.shape[0] == 0:
+            return
+        rows = slots * cache.ring + positions % cache.ring
+        for s, stage in enumerate(self.mtp):
+            cache.rings[s].view(-1, cache.rings.shape[-1])[rows] = stage.inject(feat, positions).to(cache.rings.dtype)
+
+    # -- the block --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def block(self, cache: DSparkCache, slots, starts, anchors: torch.Tensor, gamma: int, embed: nn.Embedding,
+              head: torch.Tensor):
+        """Base logits U [n, gamma, V] (fp32) and confidence features h [n, gamma, d] of each
+        request's block [anchor, noise x (gamma - 1)] at positions L .. L + gamma - 1. `embed`
+        and `head` (weight [V, d]) are the target's, shared."""
+        if gamma < 1:
+            raise ValueError(f"DSpark block size must be >= 1, got {gamma}")
+        n, dev = len(slots), anchors.device
+        ids = torch.full((n, gamma), self.cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors
+        ids = ids.flatten()
+        positions = (torch.as_tensor(starts, dtype=torch.long).view(n, 1) + torch.arange(gamma)).flatten().to(dev)
+        ctx = BlockContext(self, cache, slots, starts, gamma, dev)
+        x = embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for stage in self.mtp:
+            x = stage(x, ids, positions, ctx)
+        last = self.mtp[-1]
+        h = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, self.cfg)
+        logits = torch.nn.functional.linear(last.norm(h).float(), head.float())
+        return logits.view(n, gamma, -1), h.view(n, gamma, -1)
+
+    def confidence(self, h_k: torch.Tensor, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """c_k [n] for block position k (1-based) from h_k [n, d] and x_{k-1} [n]."""
+        last = self.mtp[-1]
+        e = last.confidence_head(torch.cat([h_k.float(), last.markov_head.markov_w1(prev_tokens).float()], dim=-1))
+        t = 1.0 if not self.sts else self.sts[min(k, len(self.sts)) - 1]
+        return torch.sigmoid(e / t)
+
+
+PREFIX = "mtp."
+CONFIDENCE_BIAS = "mtp.2.confidence_head.proj.bias"  # absent in the released V4 heads
+
+
+def load_dspark(draft: DSparkDraft, weights, source=None) -> None:
+    """Load `mtp.*` (name, tensor[, file]) items into `draft` by their released names."""
+    from .weights import load_released_weights
+
+    load_released_weights(draft.mtp, weights, source=source, prefix=PREFIX)
+
+
+def load_dspark_from_dir(path: str, cfg: DSV4Config, dtype=torch.float32, device=None) -> DSparkDraft:
+    """The `mtp.0..2` DSpark draft of a checkpoint dir (tools, tests, in-process benchmarks)."""
+    from .weights import iter_checkpoint
+
+    items = list(iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)))
+    draft = DSparkDraft(cfg, dtype=dtype, device=device, confidence_bias=any(it[0] == CONFIDENCE_BIAS for it in items))
+    load_dspark(draft, items, source=path)
+    return draft.eval()

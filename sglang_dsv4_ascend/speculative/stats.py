@@ -1,0 +1,68 @@
+"""Server-side speculative counters: per-stage wall time (engine.STAGES), rounds, drafted,
+verified and committed tokens, accepted drafts by position. Aggregated over the worker's life;
+SGLang prints `log_suffix()` in its decode log line and returns `snapshot()` in /get_server_info
+(internal_states[*].dspark_info_record), the same place its own DSpark worker reports to."""
+
+from __future__ import annotations
+
+import logging
+
+from .engine import STAGES
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+
+class StageStats:
+    def __init__(self, log_every: int = 0):
+        self.rounds = 0  # batch rounds
+        self.request_rounds = 0
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.drafted = self.verified = self.committed = 0
+        # [k-1]: request-rounds that tested draft k (verified it, and accepted drafts 1..k-1), and
+        # those that accepted it: their ratio is the conditional acceptance at position k
+        self.verified_at = []
+        self.accepted_at = []
+        self.log_every = log_every
+
+    def add(self, res) -> None:
+        self.rounds += 1
+        for k, v in res.timings.items():
+            self.seconds[k] = self.seconds.get(k, 0.0) + v
+        for tree, path, drafted in zip(res.trees, res.paths, res.drafted):
+            self.request_rounds += 1
+            self.drafted += drafted
+            self.verified += tree.n - 1
+            self.committed += len(path)
+            depth = max(tree.depth()) if tree.n > 1 else 0
+            need = max(depth, len(path) - 1)
+            if len(self.verified_at) < need:
+                self.verified_at += [0] * (need - len(self.verified_at))
+                self.accepted_at += [0] * (need - len(self.accepted_at))
+            for k in range(min(depth, len(path))):
+                self.verified_at[k] += 1
+            for k in range(len(path) - 1):
+                self.accepted_at[k] += 1
+        if self.log_every and self.rounds % self.log_every == 0:
+            logger.info("dsv4_ascend spec: %s", self.log_suffix())
+
+    def snapshot(self) -> dict:
+        n = max(1, self.rounds)
+        rr = max(1, self.request_rounds)
+        return {
+            "rounds": self.rounds, "request_rounds": self.request_rounds,
+            "stage_ms_per_round": {k: round(v * 1e3 / n, 3) for k, v in self.seconds.items()},
+            "stage_seconds_total": {k: round(v, 4) for k, v in self.seconds.items()},
+            "drafted_tokens": self.drafted, "verified_draft_tokens": self.verified,
+            "committed_tokens": self.committed,
+            "verified_per_request_round": round(self.verified / rr, 4),
+            "accept_length": round(self.committed / rr, 4),
+            "acceptance_by_position": [round(a / v, 4) if v else None
+                                       for a, v in zip(self.accepted_at, self.verified_at)],
+        }
+
+    def log_suffix(self) -> str:
+        if not self.rounds:
+            return ""
+        s = self.snapshot()
+        ms = " ".join(f"{k} {v:.1f}" for k, v in s["stage_ms_per_round"].items())
+        return f"stage ms/round: {ms}; verified/req-round {s['verified_per_request_round']:.2f}"

@@ -1,0 +1,149 @@
+"""`--speculative-algorithm dspark` through real SGLang servers on the tiny DeepSeek-V4 (fp32,
+checkpoint-native block size 4): greedy output equals serving without speculation token for
+token with static and adaptive verify, gamma native and not (6), single and 8 concurrent
+requests, prompts crossing the 16-token window, 4-token blocks and the 128-token block boundary;
+with the real DSpark draft (random weights) and with the replay drafter at full, partial and zero
+acceptance, whose known pattern the reported per-request stats must reproduce in every stream
+chunk."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from prompts import load_prompts
+
+from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
+from sglang_dsv4_ascend.speculative.planner import VERIFY_ENV
+from sglang_dsv4_ascend.tools.server import SGLangServer
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 24
+POOL = ("--max-total-tokens", "32768")
+
+
+def _server(ckpt, *args, env=None):
+    return SGLangServer(ckpt, *POOL, *args, env=env, startup_timeout=300)
+
+
+def dspark_server(ckpt, mode, *args, env=None):
+    return _server(ckpt, "--speculative-algorithm", "dspark", *args, env={VERIFY_ENV: mode, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("dspark") / "flash"), "flash", "dspark")
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    text = " ".join(load_prompts("gsm8k", 8, max_chars=2000))
+    ids = tok(text).input_ids
+    short = [tok(t).input_ids[-40:] for t in load_prompts("humaneval", 2)]
+    short += [tok(t).input_ids[:40] for t in load_prompts("mt-bench", 2)]
+    out = short + [ids[:110], ids[120:244], ids[7:207], ids[50:90]]  # 110, 124: cross position 128
+    assert len({tuple(p[:20]) for p in out}) == 8
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, prompts):
+    with _server(ckpt) as srv:
+        return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+
+
+def _concurrent(srv, prompts, **kw):
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: srv.generate(p, N_NEW, ignore_eos=True, **kw), prompts))
+
+
+@pytest.mark.parametrize("mode,gamma", [("static", None), ("adaptive", None), ("adaptive", "6")])
+def test_greedy_dspark_equals_no_speculation(ckpt, prompts, reference, mode, gamma):
+    args = ("--speculative-dspark-block-size", gamma) if gamma else ()
+    with dspark_server(ckpt, mode, *args) as srv:
+        log = srv.log_text()
+        want_gamma = gamma or "4"
+        assert f"DSpark worker: gamma={want_gamma} (checkpoint native 4), verify={mode}" in log
+        if mode == "adaptive":
+            assert "verify cost model (measured at startup" in log
+        out = srv.generate(prompts[0], N_NEW, ignore_eos=True)
+        assert out["output_ids"] == reference[0]
+        m = out["meta_info"]
+        assert m["spec_verify_ct"] > 0 and m["spec_num_proposed_drafts"] == m["spec_verify_ct"] * int(want_gamma)
+        assert sum(m["spec_cap_lens_histogram"]) == m["spec_verify_ct"]
+        if mode == "static":  # every round verifies the whole block (+ the anchor row)
+            assert m["spec_cap_lens_histogram"][-1] == m["spec_verify_ct"]
+            assert len(m["spec_cap_lens_histogram"]) == int(want_gamma) + 2
+        outs = _concurrent(srv, prompts)
+        assert [o["output_ids"] for o in outs] == reference
+
+
+def _replay_file(tmp_path, prompts, reference, modes):
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))
+    return f"replay:{path}"
+
+
+def _stream(srv, prompt):
+    """Every chunk of a streamed /generate (native API)."""
+    r = requests.post(f"{srv.url}/generate", json={"input_ids": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=300)
+    r.raise_for_status()
+    chunks = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.parametrize("mode", ["static", "adaptive"])
+def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
+    """Full / partial / zero acceptance on purpose; the stats the server reports are recomputed
+    from the known pattern. Static: full accepts all 4 drafts per round, partial:2 two, zero none.
+    Adaptive: the replay's confidences (0.9 where right, 0.2 after) let the planner trim, so
+    partial and zero rounds verify fewer rows, and the output never changes."""
+    modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
+    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, modes)}
+    gamma = 4
+    with dspark_server(ckpt, mode, env=env) as srv:
+        outs = _concurrent(srv, prompts)
+        assert [o["output_ids"] for o in outs] == reference
+        for out, m in zip(outs, modes):
+            meta = out["meta_info"]
+            correct = {"full": gamma, "zero": 0}.get(m) if not m.startswith("partial") else int(m.split(":")[1])
+            hist = meta["spec_correct_drafts_histogram"]
+            rounds = meta["spec_verify_ct"]
+            # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
+            assert hist[correct] >= rounds - 1, (m, hist)
+            assert meta["spec_num_correct_drafts"] == sum(k * v for k, v in enumerate(hist))
+            if mode == "static":
+                assert meta["spec_cap_lens_histogram"][gamma + 1] == rounds
+            elif m == "zero":  # the planner verifies what the confidences deserve, not the whole block
+                assert meta["spec_cap_length"] < gamma + 1
+        # streaming: every chunk carries the stats so far, consistent with the tokens so far
+        chunks = _stream(srv, prompts[1])
+        assert len(chunks) > 2
+        prev = 0
+        for i, ch in enumerate(chunks):
+            meta = ch["meta_info"]
+            n = meta["completion_tokens"]
+            assert n >= prev
+            prev = n
+            if meta.get("spec_verify_ct"):
+                hist = meta["spec_correct_drafts_histogram"]
+                assert sum(hist) == meta["spec_verify_ct"]
+                # the first token comes from the prefill, each round emits accepted + 1; the last
+                # round may be cut by max_new_tokens
+                emitted = 1 + sum((k + 1) * v for k, v in enumerate(hist))
+                assert n == emitted if i < len(chunks) - 1 else n <= emitted, (i, n, hist)
+        assert chunks[-1]["meta_info"]["completion_tokens"] == N_NEW
+        info = srv.server_info()
+        rec = info["internal_states"][0]["dspark_info_record"]
+        assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",
+                                                                       "commit", "extend"}

@@ -1,0 +1,235 @@
+"""DSpark: the verify planner against a brute-force oracle (hypothesis), its losslessness
+argument against a broken budget, and the draft block against dense per-request attention."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_dsv4_ascend.speculative import planner as P
+from tests.oracles.dspark_oracle import oracle_block, oracle_budget, oracle_select
+
+conf_rows = st.lists(st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.5, 0.7, 0.9, 1.0]), min_size=4, max_size=4),
+                     min_size=1, max_size=6)
+costs = st.tuples(st.floats(0.001, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0.01))
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf_rows, costs, st.booleans())
+def test_budget_matches_oracle(lagged, c, no_cost):
+    cost = None if no_cost else P.CostModel(*c)
+    K = P.budget(P.survival(torch.tensor(lagged)), cost)
+    assert K == oracle_budget(lagged, cost)
+    assert 0 <= K <= len(lagged) * 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf_rows, st.integers(0, 30))
+def test_select_matches_oracle_and_keeps_prefixes(conf, K):
+    lens = P.select(P.survival(torch.tensor(conf)), K)
+    assert lens == oracle_select(conf, K)
+    assert sum(lens) <= K
+    assert lens == P.select(P.survival(torch.tensor(conf)), K)  # deterministic
+    # more budget never verifies less of anyone (monotone)
+    more = P.select(P.survival(torch.tensor(conf)), K + 1)
+    assert all(m >= n for m, n in zip(more, lens))
+    # higher confidence everywhere for request 0 never shortens it
+    boosted = [[min(1.0, c + 0.2) for c in conf[0]]] + conf[1:]
+    assert P.select(P.survival(torch.tensor(boosted)), K)[0] >= lens[0]
+
+
+def test_ties_prefer_smaller_position_then_request():
+    conf = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    assert P.select(P.survival(conf), 1) == [1, 0]
+    assert P.select(P.survival(conf), 3) == [2, 1]
+
+
+def test_planner_uses_the_lag_and_generations():
+    cost = P.CostModel(0.01, 0.0, 0.004)
+    pl = P.Planner(4, "adaptive", cost)
+    low = torch.full((1, 4), 0.05)
+    high = torch.full((1, 4), 1.0)
+    # rounds 0, 1: no record two rounds back -> survival 1 everywhere -> the whole block
+    assert pl.plan([3], ["a"], low) == [4]
+    assert pl.plan([3], ["a"], high) == [4]
+    # round 2 reads round 0's low confidences: the budget shrinks though this round is confident
+    assert pl.plan([3], ["a"], high) == [0]
+    assert pl.last["budget"] == 0
+    # a new request in the same slot does not inherit them
+    assert pl.plan([3], ["b"], high) == [4]
+
+
+def test_static_and_no_cost_model_verify_everything():
+    conf = torch.full((2, 4), 0.01)
+    assert P.Planner(4, "static", P.CostModel(1.0, 0, 1.0)).plan([0, 1], [0, 1], conf) == [4, 4]
+    assert P.Planner(4, "adaptive", None).plan([0, 1], [0, 1], conf) == [4, 4]
+
+
+def test_cost_model_fit_and_file(tmp_path):
+    pts = [(r, b, 0.002 + 0.001 * r + 0.0005 * b) for r in (1, 2, 4) for b in (r, 3 * r)]
+    m = P.CostModel.fit(pts)
+    assert m(3, 9) == pytest.approx(0.002 + 0.003 + 0.0045, rel=1e-6)
+    path = tmp_path / "sps.json"
+    path.write_text(__import__("json").dumps(m.to_json()))
+    assert P.CostModel.load(str(path))(2, 4) == pytest.approx(m(2, 4))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="sps-table"):
+        P.CostModel.load(str(path))
+
+
+def _broken_budget_from_current(conf, cost):
+    return P.budget(P.survival(conf), cost)
+
+
+def test_broken_budget_biases_acceptance_decisions():
+    """The paper's Appendix A shape: gamma 2, t(1)=1, t(2)=2, t(3)=1/0.45 (SPS 1, .5, .45) and
+    a_1 = 0.8. Verifying draft 1 must not depend on draft 1 itself; a budget from the CURRENT
+    confidences makes it depend on c_2, a function of x_1 (through W1[x_1]). The lagged budget
+    gives the same verify decision for x_1 whatever c_2 is."""
+    cost = lambda R, B: {1: 1.0, 2: 2.0, 3: 1 / 0.45}[B]  # noqa: E731
+    c_good, c_bad = torch.tensor([[0.8, 0.95]]), torch.tensor([[0.8, 0.05]])
+    broken = [P.select(P.survival(c), _broken_budget_from_current(c, cost)) for c in (c_good, c_bad)]
+    assert broken[0][0] != broken[1][0]  # x_1's verification depends on x_1: biased
+    lagged = torch.tensor([[0.5, 0.5]])
+    fixed = [P.select(P.survival(c), P.budget(P.survival(lagged), cost)) for c in (c_good, c_bad)]
+    assert (fixed[0][0] > 0) == (fixed[1][0] > 0)
+
+
+# -- the draft block ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    d = write_checkpoint(str(tmp_path_factory.mktemp("dspark") / "ck"), "flash", "dspark")
+    trunk = load_model_from_dir(d)
+    return trunk, load_dspark_from_dir(d, trunk.cfg)
+
+
+def _prefill_features(trunk, draft, prompt, slot, cache, ctx):
+    from sglang_dsv4_ascend.models.dsv4_core import Segment
+
+    aux = {"layer_ids": trunk.cfg.dspark_target_layer_ids}
+    trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(slot, 0, len(prompt))], cache, aux=aux)
+    feats = draft.features(aux["layer_streams"])
+    draft.inject(ctx, feats, torch.full((len(prompt),), slot), torch.arange(len(prompt)))
+    return feats
+
+
+@pytest.mark.parametrize("gamma", [4, 6])
+def test_block_matches_dense_oracle(tiny, gamma):
+    trunk, draft = tiny
+    cache = trunk.make_cache(3, 128, 8)
+    ctx = draft.make_cache(3, 8)
+    prompts = {0: list(range(3, 40)), 2: list(range(50, 57))}  # longer and shorter than the window
+    feats = {s: _prefill_features(trunk, draft, p, s, cache, ctx) for s, p in prompts.items()}
+    slots, starts, anchors = [2, 0], [7, 37], torch.tensor([11, 99])
+    U, h = draft.block(ctx, slots, starts, anchors, gamma, trunk.embed, trunk.head.weight)
+    for i, s in enumerate(slots):
+        U_ref, h_ref = oracle_block(draft, feats[s], starts[i], int(anchors[i]), gamma, trunk.embed, trunk.head.weight)
+        torch.testing.assert_close(U[i], U_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(h[i], h_ref, atol=2e-4, rtol=2e-4)
+
+
+def test_block_is_bidirectional(tiny):
+    """A causal block (the broken variant) changes the anchor row's logits; ours matches the oracle."""
+    from sglang_dsv4_ascend.models import dspark as D
+
+    trunk, draft = tiny
+    cache, ctx = trunk.make_cache(1, 128, 8), draft.make_cache(1, 8)
+    feats = _prefill_features(trunk, draft, list(range(3, 30)), 0, cache, ctx)
+    U_ref, _ = oracle_block(draft, feats, 27, 5, 4, trunk.embed, trunk.head.weight)
+    orig = D.BlockContext.__init__
+
+    def causal(self, *a, **k):
+        orig(self, *a, **k)
+        n_ctx = ctx.window
+        g = 4
+        blk = torch.arange(g).repeat(self.key_ok.shape[0] // g)
+        self.key_ok[:, n_ctx:] &= torch.arange(g)[None, :] <= blk[:, None]
+
+    D.BlockContext.__init__ = causal
+    try:
+        U_bad, _ = draft.block(ctx, [0], [27], torch.tensor([5]), 4, trunk.embed, trunk.head.weight)
+    finally:
+        D.BlockContext.__init__ = orig
+    assert not torch.allclose(U_bad[0, 0], U_ref[0], atol=1e-3)
+
+
+def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
+    """The drafter's sampled draft 1 is distributed as the q it reports (chi-square), and greedy
+    drafts are the argmax of z = U + Markov bias."""
+    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
+
+    trunk, draft = tiny
+    cache = trunk.make_cache(1, 128, 8)
+    eng = types.SimpleNamespace(model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg), cache=cache,
+                                device=torch.device("cpu"), gamma=3, generator=torch.Generator().manual_seed(1))
+    dr = DSparkDrafter(eng)
+    prompt = list(range(3, 30))
+    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    aux = {"layer_ids": dr.layer_ids}
+    trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], cache, aux=aux)
+    dr.extend([Segment(0, 0, len(prompt))], None, aux, None, [])
+    g = dr.draft([0], [27], [5], None, None)
+    U, _ = draft.block(dr.ctx, [0], [27], torch.tensor([5]), 3, trunk.embed, trunk.head.weight)
+    z1 = U[0, 0] + draft.mtp[-1].markov_head.bias(torch.tensor([5]))[0]
+    assert g.trees[0].tokens[1] == int(z1.argmax()) and g.draft_probs is None
+    assert g.confidence.shape == (1, 3) and bool(((g.confidence > 0) & (g.confidence < 1)).all())
+    sp = [dict(temperature=3.0)]
+    draws = [dr.draft([0], [27], [5], None, sp) for _ in range(1500)]
+    q = draws[0].draft_probs[0][0]
+    torch.testing.assert_close(draws[-1].draft_probs[0][0], q)
+    counts = torch.bincount(torch.tensor([d.trees[0].tokens[1] for d in draws]), minlength=q.numel()).double()
+    expected = q.double() * len(draws)
+    big = expected >= 5
+    chi2 = float((((counts - expected) ** 2 / expected)[big]).sum()
+                 + (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
+    dof = int(big.sum())
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def _chi2_ok(samples, probs) -> tuple:
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    expected = probs.double() * len(samples)
+    chi2 = float(((counts - expected) ** 2 / expected.clamp_min(1e-12))[expected > 0].sum())
+    dof = int((expected > 0).sum()) - 1
+    return chi2 < dof + 5 * (2 * dof) ** 0.5 + 10, chi2
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_lossless_sampling_through_the_planner(broken):
+    """Statistical test of the whole plan -> verify -> accept path on a synthetic chain: two requests
+    share a tight verify budget; draft 1 ~ q, and its confidence for draft 2 is high exactly when
+    draft 1 is token 0 (the Markov feature). The first emitted token must follow the target p. The
+    shipped planner (budget from lagged confidences) passes; a budget from the current ones fails."""
+    from sglang_dsv4_ascend.speculative.accept import sample_accept
+    from sglang_dsv4_ascend.speculative.tree import DraftTree
+
+    V = 4
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1])
+    # with the current confidences the argmax budget is 3 when draft 1 is token 0, else 1 (only the
+    # other request's first draft): draft 1 is then verified only when it is token 0
+    cost = lambda R, B: {2: 1.0, 3: 1.0, 4: 1.3, 5: 1.5}.get(B, 10.0)  # noqa: E731
+    other = torch.tensor([[0.85, 0.5]])  # the second request's confidences (independent of ours)
+    gen = torch.Generator().manual_seed(7)
+    firsts = []
+    for _ in range(6000):
+        x1 = int(torch.multinomial(q, 1, generator=gen))
+        c = torch.tensor([[0.8, 0.99 if x1 == 0 else 0.01]])
+        conf = torch.cat([c, other])
+        lagged = P.survival(torch.tensor([[0.8, 0.99], [0.85, 0.5]]))
+        K = P.budget(P.survival(conf) if broken else lagged, cost)
+        n = P.select(P.survival(conf), K)[0]
+        tree = DraftTree([9 % V, x1, 0][: n + 1], [-1, 0, 1][: n + 1])
+        path, bonus = sample_accept(tree, p[: n + 1], gen, q.expand(2, V)[:n] if n else None)
+        firsts.append(tree.tokens[1] if len(path) > 1 else bonus)
+    ok, chi2 = _chi2_ok(firsts, p[0])
+    assert ok != broken, (broken, chi2)
