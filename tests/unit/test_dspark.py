@@ -233,3 +233,21 @@ def test_lossless_sampling_through_the_planner(broken):
         firsts.append(tree.tokens[1] if len(path) > 1 else bonus)
     ok, chi2 = _chi2_ok(firsts, p[0])
     assert ok != broken, (broken, chi2)
+
+
+def test_bench_sps_writes_a_table_the_server_loads(tmp_path):
+    import contextlib
+    import io
+    import json
+
+    from sglang_dsv4_ascend.bench import sps
+
+    out = tmp_path / "sps.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert sps.main(["--gamma", "3", "--max-requests", "2", "--budget-s", "2", "--out", str(out)]) == 0
+    doc = json.loads(buf.getvalue())
+    assert doc["points"] and all(len(p) == 3 and p[2] > 0 for p in doc["points"])
+    assert {tuple(p[:2]) for p in doc["points"]} >= {(1, 1), (1, 4)}  # rows 1 .. gamma + 1 at R = 1
+    m = P.CostModel.load(str(out))
+    assert m(1, 4) == pytest.approx(doc["c0"] + doc["c_req"] + 4 * doc["c_tok"])
