@@ -21,6 +21,12 @@ b (the last sample, at position L, in no cache yet):
    last row is the next round's draft state.
 
 The emitted tokens are tokens[path[1:]] + [bonus]; accept_len = len(path) (bonus included).
+
+DSpark runs the same round with a chain: draft is one block forward of the DSpark draft plus its
+Markov loop (drafters.DSparkDrafter: tokens, the q they were drawn from, confidences); a `plan`
+stage (planner.Planner) cuts each chain to its verify length before step 2, so the target runs only
+the chosen rows; accept uses q for sampled chains; extend injects the target features of the
+committed rows into every stage's context ring.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`--speculative-algorithm nextn` (SGLang's EAGLE family) for our DeepSeek-V4: chain (topk 1) and
-tree (topk > 1) drafting with the checkpoint's NextN block, verify, lossless accept, KV commit.
+"""`--speculative-algorithm nextn` (SGLang's EAGLE family) and `dspark` for our DeepSeek-V4: chain
+(topk 1) and tree (topk > 1) drafting with the checkpoint's NextN block, or DSpark block drafting
+with static / adaptive verify (planner.py), then verify, lossless accept, KV commit.
 
 Entered through SGLang's seam for out-of-tree platforms (`get_speculative_worker_cls`), and on
 its builtin platforms (the NPU one) through the routing hook (patches/README.md #8, unverified on
