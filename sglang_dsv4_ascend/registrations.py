@@ -176,6 +176,9 @@ HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
 HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
 HOOK_EAGLE_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_eagle_family"
 HOOK_DSPARK_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_dspark"
+HOOK_CHAT_STREAM_TARGET = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat._generate_chat_stream"
+HOOK_COMPLETION_STREAM_TARGET = ("sglang.srt.entrypoints.openai.serving_completions:"
+                                 "OpenAIServingCompletion._generate_completion_stream")
 HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
@@ -221,6 +224,12 @@ HOOKS: list = [
     Hook("cpu_spec_assign_slots", HOOK_ASSIGN_TARGET,
          ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "out_cache_loc", "batch_size"),
          _hook(HOOK_ASSIGN_TARGET, ".platforms.cpu_alloc:assign_req_to_token_pool_func", "AROUND")),
+    Hook("spec_stats_every_chat_chunk", HOOK_CHAT_STREAM_TARGET,
+         ("self", "adapted_request", "request", "raw_request"),
+         _hook(HOOK_CHAT_STREAM_TARGET, ".spec_stream:stream_with_stats", "AROUND")),
+    Hook("spec_stats_every_completion_chunk", HOOK_COMPLETION_STREAM_TARGET,
+         ("self", "adapted_request", "request", "raw_request"),
+         _hook(HOOK_COMPLETION_STREAM_TARGET, ".spec_stream:stream_with_stats", "AROUND")),
     Hook("http_request_gate", HOOK_HTTP_TARGET,
          ("server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
           "run_detokenizer_process_func", "execute_warmup_func", "launch_callback"),

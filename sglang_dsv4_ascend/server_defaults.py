@@ -141,7 +141,7 @@ def speculative_problems(cfg) -> list[str]:
                              "or dspark speculation")
     steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
     if algo == DSPARK_ALGO:
-        from .speculative.planner import VERIFY_ENV, verify_mode
+        from .speculative.planner import verify_mode
 
         gamma = getattr(cfg, "speculative_dspark_block_size", None)
         need(gamma is None or gamma >= 1, f"--speculative-dspark-block-size {gamma}: must be >= 1")

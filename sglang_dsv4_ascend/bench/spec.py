@@ -85,7 +85,7 @@ SERVER_METRICS = {
     "accept_rate_by_depth": "from the histogram: [k-1] = fraction of rounds accepting >= k drafts",
     "lossless": "spec output_ids == the no-spec server's output_ids for every request",
 }
-ALGOS = ("nextn",)
+ALGOS = ("nextn", "dspark")
 
 
 def _log(msg: str) -> None:
@@ -393,9 +393,13 @@ def main(argv=None) -> int:
     ap.add_argument("--drafters", default=",".join(DRAFTERS), help=f"of {','.join(DRAFTERS)}")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--server", action="store_true", help="measure through real SGLang servers")
+    ap.add_argument("--verify", default="static,adaptive", help="dspark: verify modes to run")
+    ap.add_argument("--gamma", type=int, default=None, help="dspark: block size (default: the checkpoint's)")
     a = ap.parse_args(argv)
     if a.algo not in ALGOS:
-        ap.error(f"--algo {a.algo!r}: only {', '.join(ALGOS)} is supported")
+        ap.error(f"--algo {a.algo!r}: one of {', '.join(ALGOS)}")
+    if a.algo == "dspark":
+        return _main_dspark(ap, a)
     try:
         batches = [int(x) for x in _split(a.batch)]
     except ValueError:
@@ -444,6 +448,37 @@ def main(argv=None) -> int:
         result["results"] = run(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _main_dspark(ap, a) -> int:
+    from . import spec_dspark
+
+    if a.server:
+        ap.error("--algo dspark runs in process only (the server path is tests/e2e/test_dspark_serving.py)")
+    verify, drafters = _split(a.verify), _split(a.drafters if a.drafters != ",".join(DRAFTERS) else "dspark,replay")
+    if not verify or any(v not in spec_dspark.VERIFY for v in verify):
+        ap.error(f"--verify {a.verify!r}: comma-separated of {','.join(spec_dspark.VERIFY)}")
+    if not drafters or any(d not in spec_dspark.DRAFTERS for d in drafters):
+        ap.error(f"--drafters {a.drafters!r}: comma-separated of {','.join(spec_dspark.DRAFTERS)}")
+    try:
+        batches = sorted({int(x) for x in _split(a.batch)})
+    except ValueError:
+        ap.error(f"--batch {a.batch!r}: expected comma-separated positive integers")
+    if not batches or min(batches) < 1 or a.new_tokens < 2 or a.prompt_len < 2 or (a.gamma is not None and a.gamma < 1):
+        ap.error("--batch sizes, --gamma must be >= 1; --new-tokens, --prompt-len >= 2")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    doc = {"bench": "spec", "config": {
+        "algo": "dspark", "mode": "in-process", "preset": a.preset, "dtype": "float32", "batch": batches,
+        "verify": verify, "drafters": drafters, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
+        "sampling": "greedy, EOS ignored", "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.machine(), "doc": spec_dspark.__doc__.split("\n\n")[2].replace("\n", " ")}}
+    with tempfile.TemporaryDirectory() as d:
+        doc.update(spec_dspark.run(a.preset, d, batches, verify, drafters, a.gamma, a.new_tokens, a.prompt_len))
+    doc["wall_s"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(doc, indent=2))
     return 0
 
 

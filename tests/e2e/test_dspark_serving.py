@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from prompts import load_prompts
+from spec_prompts import spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.speculative.planner import VERIFY_ENV
@@ -40,16 +40,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(ckpt):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    text = " ".join(load_prompts("gsm8k", 8, max_chars=2000))
-    ids = tok(text).input_ids
-    short = [tok(t).input_ids[-40:] for t in load_prompts("humaneval", 2)]
-    short += [tok(t).input_ids[:40] for t in load_prompts("mt-bench", 2)]
-    out = short + [ids[:110], ids[120:244], ids[7:207], ids[50:90]]  # 110, 124: cross position 128
-    assert len({tuple(p[:20]) for p in out}) == 8
-    return out
+    return spec_prompts(ckpt, 207)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +93,16 @@ def _stream(srv, prompt):
     return chunks
 
 
+def _openai_stream(srv, prompt, details: bool):
+    body = {"model": srv.model_path, "prompt": prompt, "max_tokens": N_NEW, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    if details:
+        body["return_spec_tokens_details"] = True
+    r = requests.post(f"{srv.url}/v1/completions", json=body, stream=True, timeout=300)
+    r.raise_for_status()
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: ") and line != b"data: [DONE]"]
+
+
 @pytest.mark.parametrize("mode", ["static", "adaptive"])
 def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
     """Full / partial / zero acceptance on purpose; the stats the server reports are recomputed
@@ -143,6 +144,22 @@ def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
                 emitted = 1 + sum((k + 1) * v for k, v in enumerate(hist))
                 assert n == emitted if i < len(chunks) - 1 else n <= emitted, (i, n, hist)
         assert chunks[-1]["meta_info"]["completion_tokens"] == N_NEW
+        # OpenAI stream: the stats ride in every token chunk with return_spec_tokens_details, and
+        # the chunks (count, text) are those of the same stream without the flag
+        plain, withstats = _openai_stream(srv, prompts[2], False), _openai_stream(srv, prompts[2], True)
+        assert [c["choices"][0].get("text") for c in plain if c.get("choices")] == \
+            [c["choices"][0].get("text") for c in withstats if c.get("choices")]
+        assert len(plain) == len(withstats)
+        assert not any((c.get("sglext") or {}).get("spec_tokens_details") for c in plain[:-2])
+        rounds = 0
+        token_chunks = [c for c in withstats if c.get("choices") and c["choices"][0].get("text")]
+        assert len(token_chunks) > 2
+        for c in token_chunks:
+            d = c["sglext"]["spec_tokens_details"]
+            assert d["spec_verify_ct"] >= rounds and sum(d["spec_correct_drafts_histogram"]) == d["spec_verify_ct"]
+            rounds = d["spec_verify_ct"]
+            assert "cached_tokens" in c["sglext"]
+        assert rounds > 0
         info = srv.server_info()
         rec = info["internal_states"][0]["dspark_info_record"]
         assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",

@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prompts import load_prompts
+from spec_prompts import spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.tools.server import SGLangServer
@@ -51,19 +51,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(ckpt):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    text = " ".join(load_prompts("gsm8k", 8, max_chars=2000))
-    ids = tok(text).input_ids
-    # humaneval prompts share a long instruction prefix: take their (distinct) ends
-    short = [tok(t).input_ids[-40:] for t in load_prompts("humaneval", 2)]
-    short += [tok(t).input_ids[:40] for t in load_prompts("mt-bench", 2)]
-    # 110 and 124: the decode crosses the 128-token block boundary; 300: three prefill chunks
-    out = short + [ids[:110], ids[120:244], ids[7:307], ids[50:90]]
-    assert len(out) == 8 and all(len(p) > 20 for p in out)
-    assert len({tuple(p[:20]) for p in out}) == 8  # the replay drafter tells requests apart by prefix
-    return out
+    return spec_prompts(ckpt, 307)
 
 
 @pytest.fixture(scope="module")

@@ -89,3 +89,23 @@ def test_unknown_config_is_refused(capsys):
     with pytest.raises(SystemExit):
         spec.main(["--algo", "nextn", "--configs", "chain9"])
     assert "chain9" in capsys.readouterr().err
+
+
+def test_dspark_bench_measures_static_adaptive_and_nextn_side_by_side():
+    """`--algo dspark`: one JSON with no-spec, NextN and DSpark static / adaptive, all lossless; the
+    replay drafter (full mode) accepts the whole block; static verifies gamma + 1 rows per request,
+    adaptive never more; the two checkpoints share their trunk."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert spec.main(["--algo", "dspark", "--batch", "2", "--new-tokens", "6", "--prompt-len", "24"]) == 0
+    doc = json.loads(buf.getvalue())
+    assert doc["same_trunk"] is True and doc["cost_model"]["points"]
+    g = doc["gamma"]
+    rows = {(r["config"], r.get("drafter")): r for r in doc["results"]}
+    assert set(rows) >= {("nospec", None), (f"nextn_chain{g}", "nextn"), ("dspark_static", "dspark"),
+                         ("dspark_static", "replay"), ("dspark_adaptive", "dspark"), ("dspark_adaptive", "replay")}
+    assert all(r.get("lossless", True) for r in doc["results"])
+    assert rows[("dspark_static", "replay")]["mean_accept_length"] == g + 1
+    assert rows[("dspark_static", "dspark")]["target_rows_per_round"] == 2 * (g + 1)
+    assert rows[("dspark_adaptive", "dspark")]["target_rows_per_round"] <= 2 * (g + 1)
+    assert "planner_predicted_verify_tok_s" in rows[("dspark_adaptive", "replay")]

@@ -251,3 +251,61 @@ def test_bench_sps_writes_a_table_the_server_loads(tmp_path):
     assert {tuple(p[:2]) for p in doc["points"]} >= {(1, 1), (1, 4)}  # rows 1 .. gamma + 1 at R = 1
     m = P.CostModel.load(str(out))
     assert m(1, 4) == pytest.approx(doc["c0"] + doc["c_req"] + 4 * doc["c_tok"])
+
+
+@pytest.mark.parametrize("wrong_q", [False, True])
+def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wrong_q):
+    """Sampled DSpark rounds (real draft, Markov q, adaptive planner, chain rejection) emit their
+    first token distributed as the target's next-token distribution (chi-square over 20 bins),
+    with drafts accepted in a good share of the rounds (else the test would prove nothing). The
+    broken variant hands the accept rule a flattened q (not the distribution the drafts were
+    drawn from): caught."""
+    from sglang_dsv4_ascend.speculative import engine as E
+
+    if wrong_q:
+        real = E.accept_batch
+
+        def flattened(trees, rows, sampling, gen, qs=None):
+            qs = None if qs is None else [None if q is None else q.sqrt() / q.sqrt().sum(-1, keepdim=True) for q in qs]
+            return real(trees, rows, sampling, gen, qs)
+
+        monkeypatch.setattr(E, "accept_batch", flattened)
+    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.speculative.accept import target_probs
+    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
+    from sglang_dsv4_ascend.speculative.engine import SpecEngine
+
+    trunk, draft = tiny
+    gamma, T = 2, 0.7
+    cache = trunk.make_cache(1, 128, gamma + 1)
+    model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
+    eng = SpecEngine(model, cache, DSparkDrafter, torch.Generator().manual_seed(3),
+                     planner=P.Planner(gamma, "adaptive", P.CostModel(0.01, 0.0, 0.001)), gamma=gamma, topk=1,
+                     num_steps=gamma, num_draft_tokens=gamma + 1)
+    prompt = list(range(3, 30))
+    seg = [Segment(0, 0, len(prompt))]
+    aux = {"layer_ids": eng.drafter.layer_ids}
+    trunk(torch.tensor(prompt), torch.arange(len(prompt)), seg, cache, aux=aux)
+    eng.extend(seg, None, aux, None, [])
+    L, anchor = len(prompt), 7
+    h = trunk(torch.tensor([anchor]), torch.tensor([L]), [Segment(0, L, 1)], cache, pending=[])
+    p = target_probs(trunk.compute_logits(h), T, -1, 1.0, 0.0)[0]
+    firsts, accepted = [], 0
+    for _ in range(600):  # every round restarts from the same committed state (writes are at >= L)
+        r = eng.round([0], [L], [anchor], [dict(temperature=T)], None, ["req"])
+        firsts.append(r.emitted[0][0])
+        accepted += r.accept_lens[0] > 1
+    assert accepted > 0.05 * len(firsts), accepted
+    # 20 bins of about equal target mass (tokens ranked by p): a flat 1024-token distribution
+    # leaves no single cell with enough expected counts
+    order = torch.argsort(p.double(), descending=True, stable=True)
+    before = torch.cumsum(p.double()[order], 0) - p.double()[order]
+    bins = torch.empty_like(order)
+    bins[order] = (before * 20).floor().long().clamp(max=19)
+    counts = torch.bincount(bins[torch.tensor(firsts)], minlength=20).double()
+    expected = torch.zeros(20, dtype=torch.float64).index_add_(0, bins, p.double()) * len(firsts)
+    ok = expected > 0
+    chi2 = float(((counts - expected)[ok] ** 2 / expected[ok]).sum())
+    dof = int(ok.sum()) - 1
+    assert dof >= 10
+    assert (chi2 < dof + 6 * (2 * dof) ** 0.5) != wrong_q, (chi2, dof)

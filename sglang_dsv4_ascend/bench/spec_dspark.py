@@ -1,0 +1,155 @@
+"""`bench spec --algo dspark`: DSpark static vs adaptive verify vs NextN vs no speculation on the tiny
+DeepSeek-V4, in process, one run, every ratio measured side by side.
+
+    python -m sglang_dsv4_ascend.bench spec --algo dspark [--verify static,adaptive] [--batch 1,8,16]
+        [--gamma 4] [--drafters dspark,replay] [--new-tokens 32] [--prompt-len 64]
+
+Two checkpoints are written from the same seed, one with the DSpark draft and one with a NextN
+block: their trunks are the same tensors (the generator draws the trunk first), which the run
+checks (`same_trunk`: every trunk tensor equal). NextN runs as a chain of gamma steps
+(the same verify width as a DSpark block). The adaptive planner's cost model is measured once on
+this machine before the runs (planner.measure_cost, reported); the server measures the same at
+startup. Drafters: "dspark" is the checkpoint's draft (random weights: acceptance near zero);
+"replay" is the test drafter in "full" mode fed the no-spec outputs, with its synthetic
+confidences (0.9 on the right tokens), so acceptance is maximal and the planner has something to
+trust: it bounds what the machinery costs.
+
+Per configuration: mean accept length (bonus included), committed tokens per target row,
+target rows per batch round ("target tokens per step"), drafted / verified drafts per
+request-round, stage ms per round, decode tok/s and its ratios to no-spec and to NextN; for
+adaptive, the planner's prediction next to the measurement: predicted tokens/s = sum of expected
+tokens / sum of predicted verify seconds over the rounds, measured = committed tokens / verify
+seconds. Greedy, EOS ignored; timings are one run on this machine, never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import torch
+
+from .spec import InProcess, _drafter_factory, _log, _mean, _prompt_ids, _r, _replay_file
+
+VERIFY = ("static", "adaptive")
+DRAFTERS = ("dspark", "replay")
+
+
+class DSparkInProcess:
+    def __init__(self, ckpt: str, trunk):
+        from ..models.dspark import load_dspark_from_dir
+
+        self.trunk = trunk
+        self.draft = load_dspark_from_dir(ckpt, trunk.cfg)
+        self.model = types.SimpleNamespace(model=trunk, dspark=self.draft, cfg=trunk.cfg)
+
+    @torch.no_grad()
+    def spec(self, prompts, gamma: int, mode: str, cost, drafter_factory, new_tokens: int, max_len: int) -> dict:
+        from ..models.dsv4_core import Segment
+        from ..speculative.engine import STAGES, SpecEngine
+        from ..speculative.planner import Planner
+
+        B = len(prompts)
+        cache = self.trunk.make_cache(B, max_len, gamma + 1)
+        planner = Planner(gamma, mode, cost)
+        eng = SpecEngine(self.model, cache, drafter_factory, torch.Generator().manual_seed(0), planner=planner,
+                         gamma=gamma, topk=1, num_steps=gamma, num_draft_tokens=gamma + 1)
+        segs = [Segment(b, 0, len(p)) for b, p in enumerate(prompts)]
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
+        h = self.trunk(ids, pos, segs, cache, aux=aux)
+        last = torch.cumsum(torch.tensor([len(p) for p in prompts]), 0) - 1
+        first = self.trunk.compute_logits(h[last]).argmax(-1).tolist()
+        shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
+        eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last.tolist())))
+        outs = [[t] for t in first]
+        lens = [len(p) for p in prompts]
+        acc = dict(accept=[], rows=[], drafted=[], verified=[], batch_rows=[], expected=0.0, predicted_s=0.0)
+        timings = dict.fromkeys(STAGES, 0.0)
+        rounds = 0
+        active = [b for b in range(B) if len(outs[b]) < new_tokens]
+        t0 = time.perf_counter()
+        while active:
+            r = eng.round(active, [lens[b] for b in active], [outs[b][-1] for b in active], None,
+                          [prompts[b] + outs[b] for b in active], gens=active)
+            rounds += 1
+            for k in timings:
+                timings[k] += r.timings[k]
+            acc["batch_rows"].append(sum(t.n for t in r.trees))
+            acc["expected"] += r.plan.get("expected_tokens", 0.0)
+            acc["predicted_s"] += r.plan.get("predicted_seconds", 0.0)
+            for b, em, n, tree, d in zip(active, r.emitted, r.accept_lens, r.trees, r.drafted):
+                outs[b] += em
+                lens[b] += n
+                acc["accept"].append(n)
+                acc["rows"].append(tree.n)
+                acc["drafted"].append(d)
+                acc["verified"].append(tree.n - 1)
+            active = [b for b in active if len(outs[b]) < new_tokens]
+        return {"outputs": outs, "decode_s": time.perf_counter() - t0, "rounds": rounds, "timings": timings, **acc}
+
+
+def run(preset: str, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int,
+        prompt_len: int) -> dict:
+    from ..models.weights import load_model_from_dir
+    from ..speculative.drafters import DSparkDrafter, ReplayDrafter
+    from ..speculative.planner import measure_cost
+    from ..tools.make_tiny_checkpoint import write_checkpoint
+
+    ds_ckpt = write_checkpoint(os.path.join(workdir, "dspark"), preset, "dspark")
+    nx_ckpt = write_checkpoint(os.path.join(workdir, "nextn"), preset, "nextn")
+    nx = InProcess(nx_ckpt)
+    ds = DSparkInProcess(ds_ckpt, load_model_from_dir(ds_ckpt))
+    a, b = nx.trunk.state_dict(), ds.trunk.state_dict()
+    same_trunk = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    gamma = gamma or ds.trunk.cfg.dspark_block_size
+    max_len = prompt_len + new_tokens + gamma + 2
+    prompts_all = _prompt_ids(ds_ckpt, max(batches), prompt_len)
+    cost = measure_cost(ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches),
+                        budget_s=10.0)
+    _log(f"cost model: t = {cost.c0:.4g} + {cost.c_req:.4g}*R + {cost.c_tok:.4g}*rows s ({cost.source})")
+    for B in batches:  # warm-up, untimed (TorchScript profiles its first runs)
+        ds.spec(prompts_all[:B], gamma, "static", None, DSparkDrafter, 3, max_len)
+        nx.spec(prompts_all[:B], (1, gamma, gamma + 1), _drafter_factory("nextn", None), 3, max_len)
+    _log("warm-up done")
+    results = []
+    for B in batches:
+        prompts = prompts_all[:B]
+        base = nx.nospec(prompts, new_tokens, new_tokens + gamma, max_len)
+        refs = base["outputs"]
+        tok = B * base["steps"]
+        base_tps = tok / base["decode_s"]
+        results.append({"config": "nospec", "batch": B, "tok_s": _r(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
+        n = nx.spec(prompts, (1, gamma, gamma + 1), _drafter_factory("nextn", None), new_tokens, max_len)
+        nx_tps = tok / n["decode_s"]
+        results.append({"config": f"nextn_chain{gamma}", "drafter": "nextn", "batch": B,
+                        "mean_accept_length": _r(_mean(n["accept"]), 4), "tok_s": _r(nx_tps, 1),
+                        "tok_s_ratio_to_nospec": _r(nx_tps / base_tps, 3),
+                        "lossless": all(o == ref[: len(o)] for o, ref in zip(n["outputs"], refs))})
+        replay = _replay_file(workdir, prompts, refs, f"ds-b{B}")
+        for mode in verify:
+            for dr in drafters:
+                factory = DSparkDrafter if dr == "dspark" else (lambda e, p=replay: ReplayDrafter(e, p))
+                s = ds.spec(prompts, gamma, mode, cost if mode == "adaptive" else None, factory, new_tokens, max_len)
+                tps = tok / s["decode_s"]
+                rr = s["rounds"]
+                row = {"config": f"dspark_{mode}", "drafter": dr, "batch": B, "gamma": gamma, "rounds": rr,
+                       "mean_accept_length": _r(_mean(s["accept"]), 4),
+                       "committed_per_target_row": _r(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
+                       "target_rows_per_round": _r(_mean(s["batch_rows"]), 3),
+                       "drafted_per_request_round": _r(_mean(s["drafted"]), 3),
+                       "verified_drafts_per_request_round": _r(_mean(s["verified"]), 3),
+                       **{f"{k}_ms_per_round": _r(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
+                       "tok_s": _r(tps, 1), "tok_s_ratio_to_nospec": _r(tps / base_tps, 3),
+                       "tok_s_ratio_to_nextn": _r(tps / nx_tps, 3),
+                       "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))}
+                if mode == "adaptive" and s["predicted_s"] > 0:
+                    row["planner_predicted_verify_tok_s"] = _r(s["expected"] / s["predicted_s"], 1)
+                    row["measured_verify_tok_s"] = _r(sum(s["accept"]) / s["timings"]["verify"], 1)
+                results.append(row)
+                _log(f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
+                     f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
+                     f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}")
+    return {"gamma": gamma, "same_trunk": same_trunk, "cost_model": cost.to_json(), "results": results}
