@@ -179,6 +179,7 @@ HOOK_DSPARK_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_dspark
 HOOK_CHAT_STREAM_TARGET = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat._generate_chat_stream"
 HOOK_COMPLETION_STREAM_TARGET = ("sglang.srt.entrypoints.openai.serving_completions:"
                                  "OpenAIServingCompletion._generate_completion_stream")
+HOOK_OUTPUT_METRICS_TARGET = "sglang.srt.beam_search.output:try_build_beam_search_out_dict"
 HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
@@ -224,6 +225,8 @@ HOOKS: list = [
     Hook("cpu_spec_assign_slots", HOOK_ASSIGN_TARGET,
          ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "out_cache_loc", "batch_size"),
          _hook(HOOK_ASSIGN_TARGET, ".platforms.cpu_alloc:assign_req_to_token_pool_func", "AROUND")),
+    Hook("spec_stats_every_output", HOOK_OUTPUT_METRICS_TARGET, ("recv_obj", "i", "meta_info"),
+         _hook(HOOK_OUTPUT_METRICS_TARGET, ".spec_stream:every_output_metrics", "BEFORE")),
     Hook("spec_stats_every_chat_chunk", HOOK_CHAT_STREAM_TARGET,
          ("self", "adapted_request", "request", "raw_request"),
          _hook(HOOK_CHAT_STREAM_TARGET, ".spec_stream:stream_with_stats", "AROUND")),

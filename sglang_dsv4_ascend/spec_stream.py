@@ -1,8 +1,11 @@
-"""Speculative statistics in every OpenAI stream chunk (hooks #10, #11 in patches/README.md).
+"""Speculative statistics in every stream chunk (hooks #10-#12 in patches/README.md).
 
-SGLang's OpenAI streams put `sglext.spec_tokens_details` (and the cached-token details) into the
-final chunk only, while its native stream carries the per-request counters (`meta_info`) in every
-chunk. With `"return_spec_tokens_details": true`, these hooks add the same `SpecTokensDetails`
+SGLang computes a request's speculative counters (`spec_verify_ct`, `spec_accept_length`, the
+histograms, ...) into meta_info only when the request finishes, and its OpenAI streams put
+`sglext.spec_tokens_details` into the final chunk only. `every_output_metrics` computes the same
+counters (SGLang's own `_calculate_spec_decoding_metrics`) for every output, so every native
+stream chunk carries them; with `"return_spec_tokens_details": true`, `stream_with_stats` adds the
+same `SpecTokensDetails`
 (SGLang's own builder, its field names) and the request's `cached_tokens` so far to every chunk
 that has choices, from the meta_info of the output that chunk was made from.
 
@@ -14,6 +17,24 @@ without the flag stream exactly as before.
 from __future__ import annotations
 
 import json
+
+
+def every_output_metrics(recv_obj, i, meta_info):
+    """BEFORE SGLang's per-output hand-off (`try_build_beam_search_out_dict`, called once meta_info
+    is complete): the speculative counters so far, for unfinished requests too."""
+    if "spec_verify_ct" in meta_info:
+        return None
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        if not get_spec().speculative_algorithm:
+            return None
+    except ValueError:
+        return None
+    # the method reads only its arguments (and the spec config); it has no instance state
+    TokenizerManager._calculate_spec_decoding_metrics(None, meta_info, recv_obj, i)
+    return None
 
 
 class _Outputs:
