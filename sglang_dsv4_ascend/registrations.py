@@ -116,19 +116,16 @@ def _handle_eagle_family(orig, server_args):
     backends, which duplicate pages per branch. Our worker verifies trees as root-to-leaf paths
     over positional slots and needs no cascade; the check is run with a backend it accepts and
     ours is declared back right after (the last declaration wins)."""
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .server_defaults import BACKEND_NAME
+    from .server_defaults import BACKEND_NAME, declared_during
 
     cfg = resolving_view(server_args)
-    ours = cfg.attention_backend == BACKEND_NAME and (cfg.speculative_eagle_topk or 1) > 1
-    if ours:
-        declare_resolution(server_args, "sglang_dsv4_ascend.tree_check", attention_backend="triton")
-    try:
+    if not (cfg.attention_backend == BACKEND_NAME and (cfg.speculative_eagle_topk or 1) > 1):
         return orig(server_args)
-    finally:
-        if ours:
-            declare_resolution(server_args, "sglang_dsv4_ascend.tree_check", attention_backend=BACKEND_NAME)
+    with declared_during(server_args, "sglang_dsv4_ascend.tree_check", {"attention_backend": "triton"},
+                         {"attention_backend": BACKEND_NAME}):
+        return orig(server_args)
 
 
 def _handle_dspark(orig, server_args):
@@ -139,19 +136,15 @@ def _handle_dspark(orig, server_args):
     "cpu" is declared back right after (the last declaration wins). Everything else it resolves
     (draft path = the bundled checkpoint, steps 1, topk 1, draft tokens = gamma + 1, gamma from
     --speculative-dspark-block-size or the checkpoint) is kept."""
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .server_defaults import BACKEND_NAME
+    from .server_defaults import BACKEND_NAME, declared_during
 
     cfg = resolving_view(server_args)
-    ours = cfg.attention_backend == BACKEND_NAME and cfg.device == "cpu"
-    if ours:
-        declare_resolution(server_args, "sglang_dsv4_ascend.dspark_device", device="npu")
-    try:
+    if not (cfg.attention_backend == BACKEND_NAME and cfg.device == "cpu"):
         return orig(server_args)
-    finally:
-        if ours:
-            declare_resolution(server_args, "sglang_dsv4_ascend.dspark_device", device="cpu")
+    with declared_during(server_args, "sglang_dsv4_ascend.dspark_device", {"device": "npu"}, {"device": "cpu"}):
+        return orig(server_args)
 
 
 def _hook(target: str, fn_path: str, kind: str):

@@ -19,6 +19,7 @@ replace is logged with the user's value and ours.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -123,8 +124,21 @@ def unsupported_settings(server_args) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def declared_during(server_args, source: str, during: dict, after: dict):
+    """Declare `during` for the body (SGLang's own step that must not see our values), then
+    `after` (ours back: the last declaration wins)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    declare_resolution(server_args, source, **during)
+    try:
+        yield
+    finally:
+        declare_resolution(server_args, source, **after)
+
+
 def speculative_problems(cfg) -> list[str]:
-    """What the NextN worker cannot serve, checked before SGLang's own DeepSeek-V4 and speculative
+    """What the speculative worker cannot serve, checked before SGLang's own DeepSeek-V4 and speculative
     steps (which see the NEXTN alias and a topk not chosen yet). The final step / topk / draft-token
     values are checked again by the worker at startup, after SGLang picks its defaults."""
     algo = str(cfg.speculative_algorithm or "").upper()
@@ -139,8 +153,16 @@ def speculative_problems(cfg) -> list[str]:
     flag = f"--speculative-algorithm {cfg.speculative_algorithm}"
     need(algo in SPEC_ALGOS, f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with nextn (its alias eagle) "
                              "or dspark speculation")
+    dspark = algo == DSPARK_ALGO
+    worker, draft = ("DSpark", "DSpark draft") if dspark else ("NextN", "NextN block")
+    need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 {draft} is "
+                                            "not wired yet; serve the float checkpoint for speculation")
+    for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        value = getattr(cfg, name, 1.0)
+        need(value in (None, 1.0), f"--{name.replace('_', '-')} {value}: the dsv4_ascend {worker} worker accepts "
+                                   "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
     steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
-    if algo == DSPARK_ALGO:
+    if dspark:
         from .speculative.planner import verify_mode
 
         gamma = getattr(cfg, "speculative_dspark_block_size", None)
@@ -150,26 +172,16 @@ def speculative_problems(cfg) -> list[str]:
             verify_mode()
         except ValueError as e:
             out.append(str(e))
-        need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 DSpark draft "
-                                                "is not wired yet; serve the float checkpoint for speculation")
-        missing = _checkpoint_lacks_draft(cfg.model_path, "dspark")
-        need(not missing, f"{flag}: {missing}")
         for name in ("speculative_dspark_sps_table_path", "speculative_dspark_confidence_sts_path"):
             path = getattr(cfg, name, None)
             need(not path or os.path.isfile(path), f"--{name.replace('_', '-')} {path}: no such file")
-        return out
-    need(steps is None or steps >= 1, f"--speculative-num-steps {steps}: must be >= 1")
-    need(topk is None or topk >= 1, f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
-    need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 NextN block is "
-                                            "not wired yet; serve the float checkpoint for speculation")
-    need(not getattr(cfg, "enable_multi_layer_eagle", False),
-         "--enable-multi-layer-eagle: DeepSeek-V4 checkpoints have one NextN block (chained); drop the flag")
-    for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
-        value = getattr(cfg, name, 1.0)
-        need(value in (None, 1.0), f"--{name.replace('_', '-')} {value}: the dsv4_ascend NextN worker accepts "
-                                   "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
-    if algo in NEXTN_ALGOS:
-        missing = _checkpoint_lacks_draft(cfg.model_path, "nextn")
+    else:
+        need(steps is None or steps >= 1, f"--speculative-num-steps {steps}: must be >= 1")
+        need(topk is None or topk >= 1, f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
+        need(not getattr(cfg, "enable_multi_layer_eagle", False),
+             "--enable-multi-layer-eagle: DeepSeek-V4 checkpoints have one NextN block (chained); drop the flag")
+    if algo in SPEC_ALGOS:
+        missing = _checkpoint_lacks_draft(cfg.model_path, "dspark" if dspark else "nextn")
         need(not missing, f"{flag}: {missing}")
     return out
 
@@ -253,12 +265,11 @@ def model_adjustments(server_args, previous):
         # are for its own worker. Ours were made above (speculative_problems), so that step runs
         # with the algorithm hidden, and the user's value is declared back right after (the last
         # declaration wins).
-        declare_resolution(server_args, "sglang_dsv4_ascend.hide_spec", speculative_algorithm=None)
-    try:
+        with declared_during(server_args, "sglang_dsv4_ascend.hide_spec", {"speculative_algorithm": None},
+                             {"speculative_algorithm": algo}):
+            previous(server_args)
+    else:
         previous(server_args)
-    finally:
-        if algo:
-            declare_resolution(server_args, "sglang_dsv4_ascend.hide_spec", speculative_algorithm=algo)
     if algo:
         # The worker runs rounds synchronously (SGLang declares this on CPU for EAGLE, not for DSPARK).
         decl["disable_overlap_schedule"] = True

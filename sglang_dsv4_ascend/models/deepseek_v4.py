@@ -92,8 +92,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)
         elif self.dspark is not None:
             if not any(item[0] == CONFIDENCE_BIAS for item in draft):  # the released heads have none
-                self.dspark.mtp[-1].confidence_head = ConfidenceHead(self.cfg.hidden_size + self.cfg.dspark_markov_rank,
-                                                                     bias=False)
+                old = self.dspark.mtp[-1].confidence_head.proj.weight
+                self.dspark.mtp[-1].confidence_head = ConfidenceHead(old.shape[1], bias=False, device=old.device)
             load_dspark(self.dspark, draft, source=source)
 
 

@@ -69,18 +69,18 @@ class Stage(Block):
     """One DSpark stage: a V4 block (SWA-only attention with sink, non-hash MoE) whose attention
     runs over [its injected context ring; the block], bidirectionally inside the block."""
 
-    def forward(self, streams, input_ids, positions, ctx):
+    def forward(self, streams, input_ids, positions, ctx, ring):
+        """`ring` [num_slots + 1, R, head_dim]: this stage's injected context K/V."""
         y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        out = self._attention(self.attn_norm(y), positions, ctx)
+        out = self._attention(self.attn_norm(y), positions, ctx, ring)
         streams = hc_post(streams, out, post, comb)
         y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         out = self.ffn(self.ffn_norm(y), input_ids)
         return hc_post(streams, out, post, comb)
 
-    def _attention(self, x, positions, ctx):
+    def _attention(self, x, positions, ctx, ring):
         a = self.attn
         cos, sin, _, q, kv = a._project(x, positions)
-        ring = ctx.rings[ctx.stage_index[id(self)]]
         pool = torch.cat([ring.flatten(0, 1), kv.to(ring.dtype)])
         out = ops.sparse_attention_with_sink(q, pool, ctx.key_rows, ctx.key_ok, a.attn_sink, a.head_dim**-0.5)
         return a._finish(out, cos, sin)
@@ -96,8 +96,7 @@ class BlockContext:
     offset k) the keys are ring rows slot_i * R + (L_i - W + j) % R for j < W (valid when the
     position is >= 0) and the block rows i * gamma + 0 .. gamma - 1 (always valid)."""
 
-    def __init__(self, draft: "DSparkDraft", cache: "DSparkCache", slots, starts, gamma: int, device):
-        self.rings, self.stage_index = cache.rings, {id(s): i for i, s in enumerate(draft.mtp)}
+    def __init__(self, cache: "DSparkCache", slots, starts, gamma: int, device):
         W, R, n = cache.window, cache.ring, len(slots)
         slot = torch.as_tensor(slots, dtype=torch.long).view(n, 1)
         L = torch.as_tensor(starts, dtype=torch.long).view(n, 1)
@@ -116,12 +115,8 @@ class DSparkCache:
     for the target's cache; the slack keeps a re-draft from the same L (tests) exact."""
 
     def __init__(self, cfg: DSV4Config, num_slots: int, slack: int, dtype=torch.float32, device=None):
-        self.window, self.ring, self.num_slots = cfg.sliding_window, cfg.sliding_window + slack, num_slots
+        self.window, self.ring = cfg.sliding_window, cfg.sliding_window + slack
         self.rings = torch.zeros(N_STAGES, num_slots + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
-        self.device = device
-
-    def nbytes(self) -> int:
-        return self.rings.numel() * self.rings.element_size()
 
 
 def load_sts(path: str | None) -> list[float] | None:
@@ -129,11 +124,15 @@ def load_sts(path: str | None) -> list[float] | None:
     (a bare list is accepted too). Positions beyond the list use its last value."""
     if not path:
         return None
-    with open(path) as f:
-        data = json.load(f)
+    flag = "--speculative-dspark-confidence-sts-path"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path}: cannot read a JSON calibration file ({e})") from e
     temps = data.get("temperatures") if isinstance(data, dict) else data
     if not isinstance(temps, list) or not temps or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
-        raise ValueError(f"--speculative-dspark-confidence-sts-path {path}: expected {{\"temperatures\": "
+        raise ValueError(f"{flag} {path}: expected {{\"temperatures\": "
                          "[T_1, T_2, ...]}} with positive numbers")
     return [float(t) for t in temps]
 
@@ -203,10 +202,10 @@ class DSparkDraft(nn.Module):
         ids[:, 0] = anchors
         ids = ids.flatten()
         positions = (torch.as_tensor(starts, dtype=torch.long).view(n, 1) + torch.arange(gamma)).flatten().to(dev)
-        ctx = BlockContext(self, cache, slots, starts, gamma, dev)
+        ctx = BlockContext(cache, slots, starts, gamma, dev)
         x = embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for stage in self.mtp:
-            x = stage(x, ids, positions, ctx)
+        for stage, ring in zip(self.mtp, cache.rings):
+            x = stage(x, ids, positions, ctx, ring)
         last = self.mtp[-1]
         h = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, self.cfg)
         logits = torch.nn.functional.linear(last.norm(h).float(), head.float())

@@ -25,7 +25,8 @@ import torch
 
 from .tree import DraftTree
 
-__all__ = ["SAMPLING_EPS", "accept_batch", "greedy_accept", "is_greedy", "sample_accept", "target_probs"]
+__all__ = ["SAMPLING_EPS", "accept_batch", "greedy_accept", "is_greedy", "sample_accept", "sampled_temperature",
+           "target_probs"]
 
 # sglang.srt.sampling.sampling_params._SAMPLING_EPS: a temperature in [0, eps) means greedy
 SAMPLING_EPS = 1e-6
@@ -45,6 +46,17 @@ def is_greedy(temperature: float, top_k: int) -> bool:
     """SGLang's greedy rule (SamplingParams.normalize + is_all_greedy): temperature below
     SAMPLING_EPS, or top_k == 1."""
     return temperature < SAMPLING_EPS or top_k == 1
+
+
+def sampled_temperature(sp: dict | None, b: int = 0) -> float | None:
+    """The temperature request b samples at, or None when it is greedy (`is_greedy`; no sampling
+    dict means greedy). Raises on a negative temperature."""
+    if sp is None:
+        return None
+    temperature = float(sp.get("temperature", 1.0))
+    if temperature < 0:
+        raise ValueError(f"request {b}: temperature must be >= 0, got {temperature}")
+    return None if is_greedy(temperature, int(sp.get("top_k", -1))) else temperature
 
 
 def target_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
@@ -234,17 +246,11 @@ def accept_batch(
     out = []
     for b, (tree, logits) in enumerate(zip(trees, logits_rows)):
         sp = None if sampling is None else sampling[b]
-        if sp is not None:
-            temperature = float(sp.get("temperature", 1.0))
-            top_k = int(sp.get("top_k", -1))
-            if temperature < 0:
-                raise ValueError(f"request {b}: temperature must be >= 0, got {temperature}")
-            if is_greedy(temperature, top_k):
-                sp = None
-        if sp is None:
+        temperature = sampled_temperature(sp, b)
+        if temperature is None:
             out.append(greedy_accept(tree, logits.argmax(dim=-1)))
             continue
-        top_p, min_p = float(sp.get("top_p", 1.0)), float(sp.get("min_p", 0.0))
+        top_k, top_p, min_p = int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0)), float(sp.get("min_p", 0.0))
         probs = target_probs(logits, temperature, top_k, top_p, min_p)
         q = None if draft_probs is None else draft_probs[b]
         out.append(sample_accept(tree, probs, generator, q))

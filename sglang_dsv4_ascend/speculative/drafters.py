@@ -130,7 +130,7 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def draft(self, slots, starts, bonus, histories=None, sampling=None):
-        from .accept import is_greedy
+        from .accept import sampled_temperature
         from .engine import Drafts
         from .tree import DraftTree
 
@@ -138,10 +138,7 @@ class DSparkDrafter:
         trunk = w.model.model
         anchors = torch.tensor(bonus, dtype=torch.long, device=w.device)
         U, h = d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.head.weight)
-        temps = []
-        for sp in sampling or [None] * len(slots):
-            t = None if sp is None else float(sp.get("temperature", 1.0))
-            temps.append(None if t is None or is_greedy(t, int(sp.get("top_k", -1))) else t)
+        temps = [sampled_temperature(sp, b) for b, sp in enumerate(sampling or [None] * len(slots))]
         sampled = [i for i, t in enumerate(temps) if t is not None]
         T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)
         prev, tokens, confs = anchors, [], []

@@ -139,7 +139,7 @@ class Planner:
 
     def __init__(self, gamma: int, mode: str = "adaptive", cost: CostModel | None = None, lag: int = LAG):
         if mode not in VERIFY_MODES:
-            raise ValueError(f"--speculative-dspark-verify-mode {mode!r}: expected one of {VERIFY_MODES}")
+            raise ValueError(f"{VERIFY_ENV}={mode!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.gamma, self.mode, self.cost, self.lag = gamma, mode, cost, lag
         self.round = 0
         self.history = {}  # slot -> {round: (gen, conf row)}
@@ -155,12 +155,13 @@ class Planner:
 
     def plan(self, slots, gens, conf: torch.Tensor | None) -> list[int]:
         R = len(slots)
+        current = None if conf is None else survival(conf)
         if self.mode == "static" or conf is None or self.cost is None:
             lens = [self.gamma] * R
             K = R * self.gamma
         else:
             K = budget(self.lagged(slots, gens), self.cost)
-            lens = select(survival(conf), K)
+            lens = select(current, K)
             for slot, gen, row in zip(slots, gens, conf.detach().to("cpu", torch.float64)):
                 h = self.history.setdefault(slot, {})
                 h[self.round] = (gen, row)
@@ -169,14 +170,10 @@ class Planner:
         rows = R + sum(lens)
         self.last = dict(budget=K, rows=rows)
         if self.cost is not None and conf is not None:
-            a = survival(conf)
-            expected = R + sum(float(a[i, :n].sum()) for i, n in enumerate(lens))
+            expected = R + sum(float(current[i, :n].sum()) for i, n in enumerate(lens))
             self.last.update(expected_tokens=expected, predicted_seconds=self.cost(R, rows))
         self.round += 1
         return lens
-
-    def forget(self, slot: int) -> None:
-        self.history.pop(slot, None)
 
 
 def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64) -> CostModel:
@@ -193,19 +190,18 @@ def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: flo
     ks = sorted({1, gamma // 2 + 1, gamma + 1})
     points, t_begin = [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
-    for R in Rs:
-        for k in ks:
-            segs = [Segment(0, start, k)] * R
-            ids = torch.zeros(R * k, dtype=torch.long, device=dev)
-            pos = torch.arange(start, start + k, device=dev).repeat(R)
-            best = None
-            for rep in range(3):
-                t0 = time.perf_counter()
-                trunk(ids, pos, segs, cache, pending=[])
-                dt = time.perf_counter() - t0
-                if rep:
-                    best = dt if best is None else min(best, dt)
-            points.append((R, R * k, best))
-            if time.perf_counter() - t_begin > budget_s:
-                return CostModel.fit(points, source=f"measured at startup, {len(points)} points")
+    for R, k in ((R, k) for R in Rs for k in ks):
+        segs = [Segment(0, start, k)] * R
+        ids = torch.zeros(R * k, dtype=torch.long, device=dev)
+        pos = torch.arange(start, start + k, device=dev).repeat(R)
+        best = None
+        for rep in range(3):
+            t0 = time.perf_counter()
+            trunk(ids, pos, segs, cache, pending=[])
+            dt = time.perf_counter() - t0
+            if rep:
+                best = dt if best is None else min(best, dt)
+        points.append((R, R * k, best))
+        if time.perf_counter() - t_begin > budget_s:
+            break
     return CostModel.fit(points, source=f"measured at startup, {len(points)} points")

@@ -5,15 +5,11 @@ SGLang prints `log_suffix()` in its decode log line and returns `snapshot()` in 
 
 from __future__ import annotations
 
-import logging
-
 from .engine import STAGES
-
-logger = logging.getLogger("sglang_dsv4_ascend")
 
 
 class StageStats:
-    def __init__(self, log_every: int = 0):
+    def __init__(self):
         self.rounds = 0  # batch rounds
         self.request_rounds = 0
         self.seconds = dict.fromkeys(STAGES, 0.0)
@@ -22,7 +18,6 @@ class StageStats:
         # those that accepted it: their ratio is the conditional acceptance at position k
         self.verified_at = []
         self.accepted_at = []
-        self.log_every = log_every
 
     def add(self, res) -> None:
         self.rounds += 1
@@ -34,16 +29,13 @@ class StageStats:
             self.verified += tree.n - 1
             self.committed += len(path)
             depth = max(tree.depth()) if tree.n > 1 else 0
-            need = max(depth, len(path) - 1)
-            if len(self.verified_at) < need:
-                self.verified_at += [0] * (need - len(self.verified_at))
-                self.accepted_at += [0] * (need - len(self.accepted_at))
+            if len(self.verified_at) < depth:  # an accepted path is never deeper than its tree
+                self.verified_at += [0] * (depth - len(self.verified_at))
+                self.accepted_at += [0] * (depth - len(self.accepted_at))
             for k in range(min(depth, len(path))):
                 self.verified_at[k] += 1
             for k in range(len(path) - 1):
                 self.accepted_at[k] += 1
-        if self.log_every and self.rounds % self.log_every == 0:
-            logger.info("dsv4_ascend spec: %s", self.log_suffix())
 
     def snapshot(self) -> dict:
         n = max(1, self.rounds)

@@ -103,6 +103,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 raise ValueError("--speculative-algorithm dspark: the DeepSeek-V4 model has no DSpark draft loaded")
             self.verify_mode = verify_mode()
             self.model.dspark.sts = load_sts(spec.speculative_dspark_confidence_sts_path)
+            self.sps_table = spec.speculative_dspark_sps_table_path
             self.model.capture_aux = {"layer_ids": tuple(self.model.cfg.dspark_target_layer_ids)}
         else:
             self.topk = spec.speculative_eagle_topk or 1
@@ -135,10 +136,9 @@ class DSV4SpecWorker(BaseSpecWorker):
                         self.engine.drafter.name)
             return
         cost = None
-        table = get_spec_arg("speculative_dspark_sps_table_path")
         if self.verify_mode == "adaptive":
-            if table:
-                cost = CostModel.load(table)
+            if self.sps_table:
+                cost = CostModel.load(self.sps_table)
             else:
                 cost = measure_cost(self.model.model, self.cache, self.gamma,
                                     max_requests=min(self.cache.num_slots, 16))
@@ -150,6 +150,14 @@ class DSV4SpecWorker(BaseSpecWorker):
         native = self.model.cfg.dspark_block_size
         logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s", self.gamma,
                     native, self.verify_mode, self.engine.drafter.name)
+
+    def prewarm_sampling(self):
+        """SGLang's last startup call on a speculative worker, after the pools and backends exist:
+        the engine is built here (for DSpark: the verify cost model is measured here), so the first
+        request does not pay for it."""
+        result = super().prewarm_sampling()
+        self._ensure_state()
+        return result
 
     # SGLang's scheduler asks a DSPARK worker for these (log suffix, /get_server_info records)
     def block_accept_estimate_log_suffix(self) -> str:
@@ -225,12 +233,6 @@ class DSV4SpecWorker(BaseSpecWorker):
             accept_lens=empty, new_seq_lens=batch.seq_lens,
             next_draft_input=DSV4DraftInput(torch.zeros(0, dtype=torch.int64, device=self.device)),
             speculative_num_draft_tokens=self.num_draft_tokens, can_run_cuda_graph=False)
-
-
-def get_spec_arg(name):
-    from sglang.srt.runtime_context import get_spec
-
-    return getattr(get_spec(), name, None)
 
 
 def _sampling_params(batch) -> list:

@@ -309,3 +309,22 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     dof = int(ok.sum()) - 1
     assert dof >= 10
     assert (chi2 < dof + 6 * (2 * dof) ** 0.5) != wrong_q, (chi2, dof)
+
+
+def test_bad_settings_name_what_is_wrong(tmp_path, monkeypatch):
+    from sglang_dsv4_ascend.models.dspark import load_sts
+
+    bad = tmp_path / "sts.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--speculative-dspark-confidence-sts-path .*sts.json: cannot read"):
+        load_sts(str(bad))
+    bad.write_text('{"temperatures": [1.0, -2]}')
+    with pytest.raises(ValueError, match="--speculative-dspark-confidence-sts-path .*positive numbers"):
+        load_sts(str(bad))
+    bad.write_text('{"temperatures": [1.5, 0.8]}')
+    assert load_sts(str(bad)) == [1.5, 0.8]
+    with pytest.raises(ValueError, match="SGLANG_DSV4_DSPARK_VERIFY='fast': expected one of static, adaptive"):
+        P.Planner(4, "fast")
+    monkeypatch.setenv(P.VERIFY_ENV, "compact")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_DSPARK_VERIFY='compact'"):
+        P.verify_mode()
