@@ -22,7 +22,7 @@ costs = st.tuples(st.floats(0.001, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0
 @given(conf_rows, costs, st.booleans())
 def test_budget_matches_oracle(lagged, c, no_cost):
     cost = None if no_cost else P.CostModel(*c)
-    K = P.budget(P.survival(torch.tensor(lagged)), cost)
+    K = P.budget(P.survival(torch.tensor(lagged, dtype=torch.float64)), cost)
     assert K == oracle_budget(lagged, cost)
     assert 0 <= K <= len(lagged) * 4
 
@@ -30,16 +30,16 @@ def test_budget_matches_oracle(lagged, c, no_cost):
 @settings(max_examples=200, deadline=None)
 @given(conf_rows, st.integers(0, 30))
 def test_select_matches_oracle_and_keeps_prefixes(conf, K):
-    lens = P.select(P.survival(torch.tensor(conf)), K)
+    lens = P.select(P.survival(torch.tensor(conf, dtype=torch.float64)), K)
     assert lens == oracle_select(conf, K)
     assert sum(lens) <= K
-    assert lens == P.select(P.survival(torch.tensor(conf)), K)  # deterministic
+    assert lens == P.select(P.survival(torch.tensor(conf, dtype=torch.float64)), K)  # deterministic
     # more budget never verifies less of anyone (monotone)
-    more = P.select(P.survival(torch.tensor(conf)), K + 1)
+    more = P.select(P.survival(torch.tensor(conf, dtype=torch.float64)), K + 1)
     assert all(m >= n for m, n in zip(more, lens))
     # higher confidence everywhere for request 0 never shortens it
     boosted = [[min(1.0, c + 0.2) for c in conf[0]]] + conf[1:]
-    assert P.select(P.survival(torch.tensor(boosted)), K)[0] >= lens[0]
+    assert P.select(P.survival(torch.tensor(boosted, dtype=torch.float64)), K)[0] >= lens[0]
 
 
 def test_ties_prefer_smaller_position_then_request():
