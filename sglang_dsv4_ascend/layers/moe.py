@@ -81,7 +81,9 @@ class MoE(nn.Module):
         boundaries stay on the device (offsets), so no host sync and no per-expert Python loop.
         The combine adds each token's copies in expert order, as the per-expert definition
         (`forward_per_expert`) does."""
-        if not self._grouped:
+        if not self._grouped or (self.training and torch.is_grad_enabled()):
+            # training (tools/train_tiny.py): the grouped path reads stacked copies of the weights
+            # that autograd does not connect to the parameters
             return self.forward_per_expert(y, input_ids)
         if self._stacked is None or self._stacked[0].data_ptr() != self.experts[0].w1.weight.data_ptr():
             self.stack_experts()

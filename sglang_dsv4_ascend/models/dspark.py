@@ -34,7 +34,7 @@ from torch import nn
 from .. import ops
 from ..config import DSV4Config
 from ..layers import RMSNorm
-from ..layers.mhc import hc_head, hc_post, hc_pre
+from ..layers.mhc import hc_head
 from .dsv4_core import Block, add_hc_head, cast_params
 from .nextn import draft_config
 
@@ -70,13 +70,9 @@ class Stage(Block):
     runs over [its injected context ring; the block], bidirectionally inside the block."""
 
     def forward(self, streams, input_ids, positions, ctx, ring):
-        """`ring` [num_slots + 1, R, head_dim]: this stage's injected context K/V."""
-        y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        out = self._attention(self.attn_norm(y), positions, ctx, ring)
-        streams = hc_post(streams, out, post, comb)
-        y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
-        out = self.ffn(self.ffn_norm(y), input_ids)
-        return hc_post(streams, out, post, comb)
+        """`ring` [num_slots + 1, R, head_dim]: this stage's injected context K/V (any [.., .., D]
+        whose flattened rows `ctx.key_rows` address, followed by the block's own rows)."""
+        return self.mix(streams, input_ids, lambda x: self._attention(x, positions, ctx, ring))
 
     def _attention(self, x, positions, ctx, ring):
         a = self.attn
@@ -117,6 +113,20 @@ class DSparkCache:
     def __init__(self, cfg: DSV4Config, num_slots: int, slack: int, dtype=torch.float32, device=None):
         self.window, self.ring = cfg.sliding_window, cfg.sliding_window + slack
         self.rings = torch.zeros(N_STAGES, num_slots + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
+
+
+CHECKPOINT_STS_FILE = "dspark_sts.json"  # a calibration shipped inside the checkpoint dir
+
+
+def sts_path(flag_value: str | None, model_path: str | None) -> str | None:
+    """--speculative-dspark-confidence-sts-path if given, else the checkpoint's own calibration
+    (`dspark_sts.json` beside config.json, as our trained tiny model ships it), else None."""
+    if flag_value:
+        return flag_value
+    import os
+
+    own = os.path.join(model_path, CHECKPOINT_STS_FILE) if model_path else None
+    return own if own and os.path.isfile(own) else None
 
 
 def load_sts(path: str | None) -> list[float] | None:

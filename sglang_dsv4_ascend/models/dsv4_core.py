@@ -73,12 +73,15 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_id, dtype, device)
 
     def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None):
+        return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan))
+
+    def mix(self, streams, input_ids, attend):
+        """The block around an attention `attend(x) -> out` (the cache-backed one when serving;
+        the DSpark stages and the draft training forwards bring their own key sets)."""
         y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        out = self.attn(self.attn_norm(y), positions, segments, cache, pending, plan)
-        streams = hc_post(streams, out, post, comb)
+        streams = hc_post(streams, attend(self.attn_norm(y)), post, comb)
         y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
-        out = self.ffn(self.ffn_norm(y), input_ids)
-        return hc_post(streams, out, post, comb)
+        return hc_post(streams, self.ffn(self.ffn_norm(y), input_ids), post, comb)
 
 
 class DSV4Model(nn.Module):

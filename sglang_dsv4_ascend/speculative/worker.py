@@ -24,7 +24,7 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-from ..models.dspark import load_sts
+from ..models.dspark import load_sts, sts_path
 from ..server_defaults import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
@@ -102,7 +102,8 @@ class DSV4SpecWorker(BaseSpecWorker):
             if getattr(self.model, "dspark", None) is None:
                 raise ValueError("--speculative-algorithm dspark: the DeepSeek-V4 model has no DSpark draft loaded")
             self.verify_mode = verify_mode()
-            self.model.dspark.sts = load_sts(spec.speculative_dspark_confidence_sts_path)
+            self.sts_path = sts_path(spec.speculative_dspark_confidence_sts_path, server_args.model_path)
+            self.model.dspark.sts = load_sts(self.sts_path)
             self.sps_table = spec.speculative_dspark_sps_table_path
             self.model.capture_aux = {"layer_ids": tuple(self.model.cfg.dspark_target_layer_ids)}
         else:
@@ -148,8 +149,9 @@ class DSV4SpecWorker(BaseSpecWorker):
         self.engine = SpecEngine(self.model, self.cache, make_drafter, self.generator, self.device, planner=planner,
                                  gamma=self.gamma, topk=1, num_steps=self.gamma, num_draft_tokens=self.gamma + 1)
         native = self.model.cfg.dspark_block_size
-        logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s", self.gamma,
-                    native, self.verify_mode, self.engine.drafter.name)
+        logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
+                    "confidence temperatures: %s", self.gamma, native, self.verify_mode, self.engine.drafter.name,
+                    f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)")
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:
