@@ -98,6 +98,12 @@ PRESETS = {
     "flash": Preset(compress_ratios=(0, 0, 4, 128, 4)),
     # V4-Pro pattern [128, 128] + [4, 128]*k + [4]: HCA bootstrap, no SWA-only layer.
     "pro": Preset(compress_ratios=(128, 128, 4, 128, 4), routed_scaling_factor=2.5, o_groups=4),
+    # The trained tiny model's shape (tools/train_tiny.py): the Flash pattern at 13 layers, so that
+    # one NextN block is 1/13 of the trunk and DSpark's three stages 3/13 (the released Flash:
+    # 1/43 and 3/43), wide enough to learn code, small enough to train in ~20 min on 2 cores.
+    "trained": Preset(compress_ratios=(0, 0) + (4, 128) * 5 + (4,), hidden_size=128, q_lora_rank=64,
+                      o_lora_rank=32, index_topk=8, sliding_window=64, moe_intermediate_size=128,
+                      vocab_size=4096, tokenizer_vocab=4096, dspark_markov_rank=32),
 }
 
 
@@ -278,7 +284,8 @@ def build_tensors(p: Preset, draft: str, seed: int) -> dict:
     return init.tensors
 
 
-def build_tokenizer(p: Preset):
+def build_tokenizer(p: Preset, lines=None):
+    """Byte-level BPE with SPECIAL_TOKENS first; trained on `lines` (default: the built-in text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -290,7 +297,7 @@ def build_tokenizer(p: Preset):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True) if lines is None else lines, trainer=trainer)
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, f"special token {s!r} must have id {i}"
     # Prepend BOS like the released tokenizer does; chat templates that emit it themselves
@@ -312,24 +319,26 @@ CHAT_TEMPLATE = (
 
 def write_checkpoint(out_dir: str, preset: str = "flash", draft: str = "dspark", seed: int = 0) -> str:
     """Write the checkpoint and return `out_dir`. Same arguments -> byte-identical files."""
-    from safetensors.torch import save_file
-
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     if draft not in ("dspark", "nextn"):
         raise ValueError(f"--draft must be 'dspark' or 'nextn', got {draft!r}")
     p = PRESETS[preset]
+    return write_files(out_dir, build_config(p, draft), build_tensors(p, draft, seed), build_tokenizer(p))
+
+
+def write_files(out_dir: str, cfg: dict, tensors: dict, tok) -> str:
+    """config, generation config, safetensors split like the release (trunk / `mtp.*` draft) with
+    an index, tokenizer and its config (with the chat template)."""
+    from safetensors.torch import save_file
+
     os.makedirs(out_dir, exist_ok=True)
-    cfg = build_config(p, draft)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, f, indent=2, sort_keys=True)
         f.write("\n")
-
-    tensors = build_tensors(p, draft, seed)
-    # Split like the release does (main trunk vs draft), with an index file.
     shards = {
         "model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.startswith("mtp.")},
         "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.startswith("mtp.")},
@@ -342,8 +351,11 @@ def write_checkpoint(out_dir: str, preset: str = "flash", draft: str = "dspark",
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")
+    write_tokenizer(out_dir, tok)
+    return out_dir
 
-    tok = build_tokenizer(p)
+
+def write_tokenizer(out_dir: str, tok) -> None:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -359,7 +371,6 @@ def write_checkpoint(out_dir: str, preset: str = "flash", draft: str = "dspark",
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
         f.write("\n")
-    return out_dir
 
 
 def main(argv=None) -> int:
