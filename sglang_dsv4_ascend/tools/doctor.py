@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -60,6 +61,26 @@ SPECULATIVE = {
 }
 
 
+def _tiny_model() -> dict:
+    """The shipped trained tiny checkpoint: where it is and whether its files are all there."""
+    import sglang_dsv4_ascend as pkg
+
+    out = {"path": pkg.TINY_MODEL_PATH, "nextn_path": pkg.TINY_NEXTN_MODEL_PATH, "sts_path": pkg.TINY_STS_PATH}
+    missing = []
+    for d in (pkg.TINY_MODEL_PATH, pkg.TINY_NEXTN_MODEL_PATH):
+        index = os.path.join(d, "model.safetensors.index.json")
+        try:
+            with open(index) as f:
+                files = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError):
+            missing.append(index)
+            continue
+        missing += [os.path.join(d, n) for n in sorted(files | {"config.json", "tokenizer.json"})
+                    if not os.path.exists(os.path.join(d, n))]
+    out["present"], out["missing"] = not missing, missing
+    return out
+
+
 def collect() -> dict:
     from sglang_dsv4_ascend import __version__, compat, device, platforms, registrations
 
@@ -79,6 +100,7 @@ def collect() -> dict:
         },
         "triton_ascend_installed": _triton_ascend_installed(),
         "speculative": SPECULATIVE,
+        "tiny_model": _tiny_model(),
     }
     if report["sglang"]["supported"]:
         for h in compat.hooks():
@@ -98,6 +120,8 @@ def collect() -> dict:
         problems.append("a broken torch_npu is installed on a non-NPU machine: uninstall it")
     if report["device_family"] != "npu" and report["triton_ascend_installed"]:
         problems.append("triton-ascend is installed on a non-NPU machine: it replaces triton's files; reinstall triton")
+    if not report["tiny_model"]["present"]:
+        problems.append(f"the shipped tiny model is incomplete: missing {', '.join(report['tiny_model']['missing'])}")
     report["problems"] = problems
     report["ok"] = not problems
     return report
@@ -125,6 +149,9 @@ def main(argv=None) -> int:
         for mod, res in r["imports"].items():
             print(f"import {mod:<11} {'ok ' + res['version'] if res['imports'] else 'no (' + res['error'] + ')'}")
         print(f"triton-ascend     {'installed' if r['triton_ascend_installed'] else 'not installed'}")
+        tm = r["tiny_model"]
+        print(f"tiny model        {tm['path']} ({'present' if tm['present'] else 'INCOMPLETE'}; "
+              f"NextN variant {tm['nextn_path']})")
         nx = r["speculative"]["nextn"]
         print(f"speculative nextn chain: {nx['chain']}")
         print(f"                  tree:  {nx['tree']}")

@@ -67,6 +67,10 @@ def test_doctor_reports_supported_install():
     assert rep["device_family"] == "cpu" and rep["platform"].endswith("CpuReferencePlatform")
     assert rep["imports"]["triton"]["imports"] is True
     assert rep["imports"]["torch_npu"]["imports"] is False
+    # the shipped trained tiny model is found where the package says it is
+    import sglang_dsv4_ascend as pkg
+
+    assert rep["tiny_model"]["present"] and rep["tiny_model"]["path"] == pkg.TINY_MODEL_PATH
 
 
 @pytest.mark.parametrize("version", ["0.5.22", "0.6.0"])
