@@ -1,14 +1,15 @@
 """NextN speculative decoding (chain and tree) on the tiny DeepSeek-V4: acceptance, verify cost and
 decode speed per configuration, drafter and batch size, as ratios to no-spec measured in the same run.
 
-    python -m sglang_dsv4_ascend.bench spec --algo nextn [--preset flash|pro] [--batch 1,8]
+    python -m sglang_dsv4_ascend.bench spec --algo nextn [--model random|trained] [--preset flash|pro] [--batch 1,8]
         [--configs nospec,chain1,chain2,chain3,tree2,tree4] [--new-tokens 32] [--prompt-len 64]
         [--drafters nextn,replay] [--threads N] [--server]
 
 Configurations (CONFIGS): chainK = topk 1, K steps, K + 1 draft tokens; tree2 = topk 2, 3 steps, 6
 draft tokens; tree4 = topk 4, 3 steps, 8 draft tokens. "nospec" is always run: it is the baseline of
 the ratios, of the lossless check and of the replay references. Drafters: "nextn" is the
-checkpoint's NextN block (random weights: acceptance near zero, recorded anyway); "replay" is the
+checkpoint's NextN block (`--model trained`: the shipped trained tiny model's; `random`: random
+weights, acceptance near zero, recorded anyway); "replay" is the
 test drafter (speculative/drafters.py) in "full" mode, fed the no-spec greedy outputs, so it
 proposes the right tokens and acceptance is maximal: it bounds what the spec machinery costs.
 
@@ -378,6 +379,23 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
     return results
 
 
+def _checkpoints(a, workdir: str) -> dict:
+    """{"nextn": dir, "dspark": dir}: one trunk with either draft (random: written from one seed,
+    the trunk drawn first, so both trunks are the same tensors; trained: the shipped pair)."""
+    if a.model == "trained":
+        import sglang_dsv4_ascend as pkg
+
+        return {"nextn": pkg.TINY_NEXTN_MODEL_PATH, "dspark": pkg.TINY_MODEL_PATH}
+    from ..tools.make_tiny_checkpoint import write_checkpoint
+
+    return {k: write_checkpoint(os.path.join(workdir, k), a.preset, k) for k in ("nextn", "dspark")}
+
+
+def _model_text(a) -> str:
+    return ("trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH, MODEL_CARD.md)" if a.model == "trained"
+            else f"random tiny DeepSeek-V4, preset {a.preset}")
+
+
 def _split(s: str) -> list:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -385,7 +403,10 @@ def _split(s: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algo", required=True, help="speculative algorithm (only 'nextn' for now)")
-    ap.add_argument("--preset", default="flash", choices=["flash", "pro"])
+    ap.add_argument("--model", default="random", choices=["random", "trained"],
+                    help="random: a tiny checkpoint written with --preset (drafts almost never right); trained: "
+                         "the shipped trained tiny model (sglang_dsv4_ascend.TINY_MODEL_PATH, real acceptance)")
+    ap.add_argument("--preset", default="flash", choices=["flash", "pro"], help="shape of the --model random checkpoint")
     ap.add_argument("--batch", default="1,8", help="batch sizes (concurrent requests)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)} (nospec always runs)")
     ap.add_argument("--new-tokens", type=int, default=32, help="generated tokens per request")
@@ -420,17 +441,16 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from .. import device
-    from ..tools.make_tiny_checkpoint import write_checkpoint
 
     t0 = time.perf_counter()
     result = {
         "bench": "spec",
         "config": {
-            "algo": a.algo, "mode": "server" if a.server else "in-process", "preset": a.preset, "dtype": "float32",
+            "algo": a.algo, "mode": "server" if a.server else "in-process", "model": _model_text(a), "dtype": "float32",
             "batch": batches, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
             "configs": {c: (None if CONFIGS[c] is None else dict(zip(("topk", "steps", "draft_tokens"), CONFIGS[c])))
                         for c in configs},
-            "drafters": {d: ("the checkpoint's NextN block (random weights)" if d == "nextn" else
+            "drafters": {d: ("the checkpoint's NextN block" if d == "nextn" else
                              "ReplayDrafter mode 'full', references = the no-spec greedy outputs") for d in drafters},
             "prompts": "packaged gsm8k/humaneval/mt-bench first turns, round-robin, tokenized with the checkpoint's "
                        "tokenizer (AutoTokenizer, BOS included), cut to prompt_len; shorter ones skipped",
@@ -443,7 +463,7 @@ def main(argv=None) -> int:
         },
     }
     with tempfile.TemporaryDirectory() as d:
-        ckpt = write_checkpoint(os.path.join(d, "m"), a.preset, "nextn")
+        ckpt = _checkpoints(a, d)["nextn"]
         run = run_server if a.server else run_in_process
         result["results"] = run(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -471,12 +491,13 @@ def _main_dspark(ap, a) -> int:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     doc = {"bench": "spec", "config": {
-        "algo": "dspark", "mode": "in-process", "preset": a.preset, "dtype": "float32", "batch": batches,
+        "algo": "dspark", "mode": "in-process", "model": _model_text(a), "dtype": "float32", "batch": batches,
         "verify": verify, "drafters": drafters, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
         "sampling": "greedy, EOS ignored", "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "doc": spec_dspark.__doc__.split("\n\n")[2].replace("\n", " ")}}
     with tempfile.TemporaryDirectory() as d:
-        doc.update(spec_dspark.run(a.preset, d, batches, verify, drafters, a.gamma, a.new_tokens, a.prompt_len))
+        doc.update(spec_dspark.run(_checkpoints(a, d), d, batches, verify, drafters, a.gamma, a.new_tokens,
+                                   a.prompt_len))
     doc["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(doc, indent=2))
     return 0

@@ -4,12 +4,13 @@ DeepSeek-V4, in process, one run, every ratio measured side by side.
     python -m sglang_dsv4_ascend.bench spec --algo dspark [--verify static,adaptive] [--batch 1,8,16]
         [--gamma 4] [--drafters dspark,replay] [--new-tokens 32] [--prompt-len 64]
 
-Two checkpoints are written from the same seed, one with the DSpark draft and one with a NextN
-block: their trunks are the same tensors (the generator draws the trunk first), which the run
-checks (`same_trunk`: every trunk tensor equal). NextN runs as a chain of gamma steps
+Two checkpoints share one trunk, one with the DSpark draft and one with a NextN block (random:
+written from the same seed, the generator draws the trunk first; trained: the shipped pair), which
+the run checks (`same_trunk`: every trunk tensor equal). NextN runs as a chain of gamma steps
 (the same verify width as a DSpark block). The adaptive planner's cost model is measured once on
 this machine before the runs (planner.measure_cost, reported); the server measures the same at
-startup. Drafters: "dspark" is the checkpoint's draft (random weights: acceptance near zero);
+startup. Drafters: "dspark" is the checkpoint's draft (`--model trained`: the shipped trained one,
+with its calibration file; `random`: acceptance near zero);
 "replay" is the test drafter in "full" mode fed the no-spec outputs, with its synthetic
 confidences (0.9 on the right tokens), so acceptance is maximal and the planner has something to
 trust: it bounds what the machinery costs.
@@ -91,17 +92,18 @@ class DSparkInProcess:
         return {"outputs": outs, "decode_s": time.perf_counter() - t0, "rounds": rounds, "timings": timings, **acc}
 
 
-def run(preset: str, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int,
+def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int,
         prompt_len: int) -> dict:
+    """`ckpts`: {"nextn": dir, "dspark": dir}, one trunk with either draft (checked: same_trunk)."""
+    from ..models.dspark import load_sts, sts_path
     from ..models.weights import load_model_from_dir
     from ..speculative.drafters import DSparkDrafter, ReplayDrafter
     from ..speculative.planner import measure_cost
-    from ..tools.make_tiny_checkpoint import write_checkpoint
 
-    ds_ckpt = write_checkpoint(os.path.join(workdir, "dspark"), preset, "dspark")
-    nx_ckpt = write_checkpoint(os.path.join(workdir, "nextn"), preset, "nextn")
+    ds_ckpt, nx_ckpt = ckpts["dspark"], ckpts["nextn"]
     nx = InProcess(nx_ckpt)
     ds = DSparkInProcess(ds_ckpt, load_model_from_dir(ds_ckpt))
+    ds.draft.sts = load_sts(sts_path(None, ds_ckpt))  # the checkpoint's own calibration, as the server loads it
     a, b = nx.trunk.state_dict(), ds.trunk.state_dict()
     same_trunk = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     gamma = gamma or ds.trunk.cfg.dspark_block_size
