@@ -83,9 +83,10 @@ def acceptance(hist, positions: int) -> list:
 
 def _positions(details: dict) -> int:
     hist = details.get("spec_correct_drafts_histogram") or []
+    if hist:
+        return len(hist) - 1  # one bin per accepted-draft count 0..depth (a tree's depth, not its nodes)
     rounds, proposed = details.get("spec_verify_ct") or 0, details.get("spec_num_proposed_drafts") or 0
-    # drafts per round is the block size; the histogram stops at the highest count seen
-    return max(len(hist) - 1, round(proposed / rounds) if rounds else 0)
+    return round(proposed / rounds) if rounds else 0
 
 
 def pct(xs, p):
