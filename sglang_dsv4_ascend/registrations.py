@@ -52,6 +52,15 @@ def _install_attention_backend():
         choices.add_attention_backend_choices([BACKEND_NAME])
 
 
+def _install_radix_cache():
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+
+    from .attention_backend.radix import NAME, create_dsv4_radix_cache
+
+    if NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(NAME, create_dsv4_radix_cache)
+
+
 def _install_model_override():
     import sglang.srt.arg_groups.overrides  # noqa: F401  (in-tree providers first: last one wins)
     from sglang.srt.arg_groups.model_override_base import register_model_override
@@ -71,7 +80,7 @@ def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, r
     if not is_dsv4_model:
         return orig(self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
                     req_to_token_pool=req_to_token_pool)
-    from sglang.srt.runtime_context import get_schedule
+    from sglang.srt.runtime_context import get_memory, get_schedule
 
     from .attention_backend.pool import DSV4TokenToKVPool
     from .config import DSV4Config
@@ -84,6 +93,7 @@ def _build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, r
     return DSV4TokenToKVPool(
         size=sizes.max_total_num_tokens, page_size=get_schedule().page_size, dtype=dtype, cfg=cfg,
         req_to_token=req_to_token_pool.req_to_token, spec_slack=_spec_slack(), device=self.device,
+        prefix_states=not get_memory().disable_radix_cache,
     )
 
 
@@ -196,6 +206,7 @@ COMPONENTS: list = [
     ("model:DeepseekV4ForCausalLM", _install_models),
     (f"attention_backend:{BACKEND_NAME}", _install_attention_backend),
     ("model_override:DeepseekV4ForCausalLM", _install_model_override),
+    ("radix_cache:dsv4_ascend", _install_radix_cache),
     ("quantization:w8a8_ascend", _install_quantization),
 ]
 

@@ -5,8 +5,8 @@ Three SGLang seams, all registered in registrations.py:
   checkpoint is validated with our messages (config fields, tokenizer files, quantization
   files) before transformers or SGLang read it and fail with messages that point elsewhere.
 * `dsv4_overrides` — a model-override provider for `DeepseekV4ForCausalLM` (registered after
-  SGLang's own, so ours wins): our backend, 128-token pages, SGLang's hybrid-SWA pools and radix
-  cache off.
+  SGLang's own, so ours wins): our backend, 128-token pages, SGLang's hybrid-SWA pools off, and
+  our radix cache (`--radix-cache-backend dsv4_ascend`; off under speculative decoding).
 * `model_adjustments` — a resolution hook around `handle_model_specific_adjustments` (the
   override gate does not accept every field): refuses settings this plugin cannot serve yet,
   naming the flag and what is supported, before SGLang's own DeepSeek-V4 step turns them into a
@@ -27,6 +27,7 @@ import os
 logger = logging.getLogger("sglang_dsv4_ascend")
 
 BACKEND_NAME = "dsv4_ascend"
+RADIX_BACKEND = "dsv4_ascend"  # --radix-cache-backend (attention_backend/radix.py)
 PAGE_SIZE = 128  # every compression ratio (4, 128) divides it: entries stay page-aligned
 # On CPU (RAM shared with everything else) bound the request slots and the context: SGLang's
 # req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
@@ -66,13 +67,12 @@ def dsv4_overrides(server_args, hf_config) -> dict:
         "disable_hybrid_swa_memory": True,
     }
     if not cfg.disable_radix_cache:
-        # The radix tree shares token slots between requests, but DSV4 state (SWA ring,
-        # compressor rows, compressed entries) lives per request slot and would not come along:
-        # a prefix hit would attend to another request's (or no) history. Off until the cache
-        # can snapshot per-prefix state.
-        logger.info("dsv4_ascend: radix (prefix) cache disabled for DeepSeek-V4: its per-request "
-                    "compressor and window state is not shared through the radix tree yet")
-        out["disable_radix_cache"] = True
+        if cfg.speculative_algorithm or _raw(server_args, "speculative_algorithm"):
+            # A hit would resume the target from its prefix state, but the draft's own caches (the
+            # NextN layer's window, DSpark's per-stage context rings) have no such state yet.
+            logger.info("dsv4_ascend: radix (prefix) cache disabled for DeepSeek-V4 under speculative "
+                        "decoding: the draft caches are not restored from prefix states yet")
+            out["disable_radix_cache"] = True
     _log_replaced(server_args, {k: v for k, v in out.items() if k != "disable_radix_cache"})
     return out
 
@@ -106,6 +106,11 @@ def unsupported_settings(server_args) -> list[str]:
          f"--tokenizer-worker-num {cfg.tokenizer_worker_num}: extra tokenizer workers do not load SGLang "
          "plugins, so the request validation that keeps bad requests from crashing the DeepSeek-V4 "
          "scheduler would be missing there; supported: 1")
+    backend = _raw(server_args, "radix_cache_backend")
+    need(backend in (None, RADIX_BACKEND) or cfg.disable_radix_cache,
+         f"--radix-cache-backend {backend}: DeepSeek-V4 prefix hits need the plugin's tree, which resumes "
+         f"a hit from its saved window and compressor state; supported: {RADIX_BACKEND} (the default), or "
+         "--disable-radix-cache")
     out += speculative_problems(cfg)
     for flag, name in (("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
                        ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill")):
@@ -252,6 +257,11 @@ def model_adjustments(server_args, previous):
         raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  "
                          + "\n  ".join(problems))
     decl = {}
+    if not cfg.disable_radix_cache and not (cfg.speculative_algorithm or _raw(server_args, "speculative_algorithm")):
+        # SGLang's tree shares the token slots that carry the compressed entries; ours reports
+        # hits only up to a page boundary whose prefix state (window + open compressor rows) was
+        # saved (attention_backend/radix.py). Not model-overridable, so declared here.
+        decl["radix_cache_backend"] = RADIX_BACKEND
     if cfg.device == "cpu":
         if cfg.context_length is None:
             cap = cfg.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS

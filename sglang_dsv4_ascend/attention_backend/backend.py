@@ -63,6 +63,7 @@ class DSV4AscendBackend(AttentionBackend):
         self.forward_metadata = None
         # The per-segment definition (SGLANG_DSV4_ATTENTION=segments) needs no plan.
         self.build_plans = os.environ.get(ATTENTION_ENV, "batched") == "batched"
+        self._slot_generation: dict = {}  # req slot -> SGLang's allocation generation we last saw
 
     @property
     def cache(self):
@@ -72,12 +73,27 @@ class DSV4AscendBackend(AttentionBackend):
         """The forward's geometry, once: the segments and, for the batched path, every index table
         the layers gather through (built on the host from CPU fields, then copied to the device)."""
         segments = segments_from_batch(forward_batch)
+        if self.cache.prefix is not None:
+            self._resume_prefix_hits(segments)
         plan = None
         if segments and self.build_plans:
             from .plan import build_plan
 
             plan = build_plan(segments, self.cache)
         self.forward_metadata = DSV4ForwardMetadata(segments, plan)
+
+    def _resume_prefix_hits(self, segments) -> None:
+        """A request slot SGLang allocated since we last saw it, whose first segment starts past
+        0, starts from a radix hit: its window and open compressor rows come from the prefix
+        state saved at that boundary (its entries are already on the tree's token slots). Slot
+        reuse is told by SGLang's per-row allocation generation (a host tensor)."""
+        generation = self.req_to_token_pool.req_generation
+        for seg in segments:
+            g = int(generation[seg.slot])
+            if self._slot_generation.get(seg.slot) != g:
+                self._slot_generation[seg.slot] = g
+                if seg.start > 0:
+                    self.cache.restore_prefix(seg.slot, seg.start)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .prefix_state import PrefixStates, restore_state, save_states, state_lists
+
 COMPRESSOR = "compressor"  # the layer's main KV compressor (CSA or HCA)
 INDEXER = "indexer"  # the CSA lightning indexer's own compressor
 
@@ -75,6 +77,9 @@ class LayerWrites:
     def store(self, cache: "DSV4Cache", accepted: dict | None = None, keep: tuple | None = None) -> None:
         lists = self.plan.writes(accepted, keep)
         st = cache.layers[self.layer]
+        states = lists.states(cache)
+        if states is not None:  # read the ring before this step overwrites it
+            save_states(cache.prefix, self.layer, states, st, self.swa, self.rows)
         st.kv[lists.swa_dst] = self.swa[lists.swa_src]
         for name, (kv, gate) in self.rows.items():
             src, dst = lists.rows[st.ratio]
@@ -129,6 +134,35 @@ class DSV4Cache:
         self.swa_rows_total = (num_slots + 1) * self.window_ring  # kv-store rows before the entries
         ratios = cfg.compress_ratios if ratios is None else tuple(ratios)
         self.layers = [self._alloc(r) for r in ratios]
+        self.prefix: PrefixStates | None = None  # states at page boundaries, for prefix (radix) hits
+
+    def enable_prefix_states(self, capacity: int | None = None, page: int = None) -> PrefixStates:
+        """Save a state at every page boundary a store step completes (prefix_state.py), so a
+        request can resume a prefix another one computed: `restore_prefix`."""
+        page = page or ENTRY_ALIGN
+        if page % ENTRY_ALIGN:
+            raise ValueError(f"DSV4Cache: prefix states need page boundaries that close every block; "
+                             f"page {page} is not a multiple of {ENTRY_ALIGN}")
+        if capacity is None:
+            capacity = PrefixStates.default_capacity(self.num_token_slots, page)
+        self.prefix = PrefixStates(self, capacity, page)
+        return self.prefix
+
+    def restore_prefix(self, slot: int, length: int) -> None:
+        """Make `slot` resume a prefix of `length` tokens whose entries its token slots already
+        map to (a radix hit): its window and open compressor rows come from the saved state."""
+        if self.prefix is None:
+            raise RuntimeError("DSV4Cache.restore_prefix: prefix states are not enabled")
+        restore_state(self.prefix, self, slot, length)
+
+    def state_lists(self, segs: list, device=None):
+        """Reserve and locate the prefix states a store step of `segs` (slot, start, stored n,
+        first new row) completes; None when prefix states are off or it completes none."""
+        if self.prefix is None:
+            return None
+        rows_ring = self.rows_ring(4) if any(st.ratio == 4 for st in self.layers) else None
+        return state_lists(self.prefix, segs, self.window_ring, rows_ring, self.token_slots,
+                           self.device if device is None else device)
 
     def _alloc(self, ratio: int) -> _LayerState:
         cfg, S = self.cfg, self.num_slots + 1  # + the scratch slot
@@ -197,6 +231,10 @@ class DSV4Cache:
                 f"beyond max_context_len + spec_slack = {self.capacity}"
             )
         st = self.layers[w.layer]
+        if self.prefix is not None and w.length:
+            states = self.state_lists([(w.slot, w.start, w.length, 0)], device=w.swa.device)
+            if states is not None:  # read the ring before this write overwrites it
+                save_states(self.prefix, w.layer, states, st, w.swa, w.rows)
         self._write_ring(st.swa, w.slot, w.start, w.swa)
         for name, (kv, gate) in w.rows.items():
             ring_kv, ring_gate = st.rows[name]

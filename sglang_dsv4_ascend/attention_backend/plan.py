@@ -124,6 +124,23 @@ class WriteLists:
     swa_dst: torch.Tensor  # their ring rows (flattened [S * R])
     rows: dict  # ratio -> (src rows, dst ring rows (flattened [S * Rc]))
     entries: dict  # ratio -> (new-entry numbers to store, their rows in the entry store)
+    state_segs: list = field(default_factory=list)  # (slot, start, stored n, first row) per stored segment
+    static: bool = False  # a bucket plan: same ops every step, so it drops states instead of saving them
+    _states: tuple = field(default=None, repr=False)
+
+    def states(self, cache):
+        """The prefix states this store completes (prefix_state.py), reserved on the first store
+        that uses these lists: a variant that is never stored (the whole-forward lists of a
+        verify whose rows get rejected) must not claim states it never writes."""
+        if cache.prefix is None or not self.state_segs:
+            return None
+        if self._states is None:
+            if self.static:  # host-side only: forget what these pages' slots held before
+                cache.prefix.forget_boundaries(self.state_segs, cache.token_slots)
+                self._states = (None,)
+            else:
+                self._states = (cache.state_lists(self.state_segs, device=self.swa_src.device),)
+        return self._states[0]
 
 
 def _stored(n, seg) -> int:
@@ -280,4 +297,6 @@ def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
             keep = torch.cat([keep, torch.ones(rp.n_new - E, dtype=torch.bool)])
         idx = torch.nonzero(keep).flatten().to(plan.device)
         entries[r] = (idx, rp.ent_row[idx])
-    return WriteLists(swa_src, swa_dst, rows, entries)
+    state_segs = [(int(sl), int(L), int(k), int(f))
+                  for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0]
+    return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None)

@@ -30,7 +30,7 @@ RESOLVE = textwrap.dedent("""
             v = resolving_view(sa)
             out.append({k: getattr(v, k) for k in (
                 "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
-                "max_running_requests", "context_length", "disable_radix_cache", "disable_cuda_graph",
+                "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend", "disable_cuda_graph",
                 "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
                 "speculative_num_draft_tokens", "disable_overlap_schedule")}
                 | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
@@ -77,6 +77,8 @@ def cpu_results(tiny_ckpt):
                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "1"],
         "graph_explicit": ["--cuda-graph-backend-decode", "full"],
         "backend_triton": ["--attention-backend", "triton"],
+        "no_radix": ["--disable-radix-cache"],
+        "other_radix_backend": ["--radix-cache-backend", "flexkv"],
     }
     results, log = resolve(tiny_ckpt("flash"), list(cases.values()))
     return dict(zip(cases, results)), log
@@ -88,7 +90,17 @@ def test_defaults_on_cpu(cpu_results):
     assert d["device"] == "cpu" and d["attention_backend"] == d["decode_attention_backend"] == "dsv4_ascend"
     assert d["page_size"] == 128 and d["kv_cache_dtype"] == "auto"  # not SGLang's fp8_e4m3 default
     assert d["max_running_requests"] == 16 and d["context_length"] == 32768
-    assert d["disable_radix_cache"] is True and d["graphs"] == ["disabled", "disabled"]
+    assert d["graphs"] == ["disabled", "disabled"]
+    # the prefix cache is on, through the plugin's tree (hits resume from saved prefix states)
+    assert d["disable_radix_cache"] is False and d["radix_cache_backend"] == "dsv4_ascend"
+    assert r["no_radix"]["disable_radix_cache"] is True  # --disable-radix-cache is honoured
+
+
+def test_prefix_cache_is_off_under_speculation_and_says_why(cpu_results):
+    r, log = cpu_results
+    for case in ("nextn_chain", "nextn_tree"):
+        assert r[case]["disable_radix_cache"] is True, r[case]
+    assert "radix (prefix) cache disabled for DeepSeek-V4 under speculative decoding" in log
 
 
 def test_explicit_user_values_are_kept_or_logged(cpu_results):
@@ -116,6 +128,7 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("spec_threshold", "--speculative-accept-threshold-single 0.5: the dsv4_ascend NextN worker accepts losslessly"),
     ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
     ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
+    ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
 ])
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
     r, _ = cpu_results

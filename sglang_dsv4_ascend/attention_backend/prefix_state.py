@@ -1,0 +1,237 @@
+"""Prefix states: what a radix-cache hit needs besides the compressed entries.
+
+A request that reuses a cached prefix of length L (a multiple of the page, 128 tokens) must see
+exactly what it would have seen had it computed the prefix itself:
+
+* every compressed entry j < L // r (C4 KV, C4 indexer keys, C128 KV). These are already paged
+  through token slots (`cache.py`): the tree's slots of the prefix carry them, nothing to do;
+* the SWA rows of positions L - W .. L - 1 (W = sliding_window);
+* the compressor rows of the blocks still open at L. L is a multiple of 128, so every C4 and
+  C128 block ends there; only the overlapping C4 compressor (and the C4 indexer's compressor)
+  reads the previous block, positions L - 4 .. L - 1, when it pools entry L // 4.
+
+That last pair is small and fixed-size: a *state* at boundary L. This store keeps such states,
+one per page boundary that a forward completed, keyed by the token slot of position L - 1
+(`req_to_token[req, L - 1]`: unique while the page is in the tree, and a slot always sits at
+the same offset of its page, so a reused slot is overwritten when its new page completes before
+that page can be in the tree again). A hit is usable only up to the deepest boundary with a
+state (`DSV4RadixCache.match_prefix` truncates there); when the request's slot is first used
+the backend copies the state into the slot's rings (`DSV4Cache.restore_prefix`).
+
+States are written in the same store step as the rings (`LayerWrites.store` / `DSV4Cache.write`),
+from this forward's new rows or the ring, before the ring is overwritten, so a boundary deep
+inside an 8K prefill chunk (a shared system prompt) gets its state without extra work beyond one
+copy of the window. Speculative verify stores only accepted rows, so a boundary gets a state
+only once it is committed.
+
+Memory. A state is W rows per layer in the cache dtype plus, per CSA layer, OVERLAP_ROWS fp32
+rows of (kv, gate) for its compressor (width 2 x head_dim) and its indexer's (2 x index_head_dim).
+For the released configs (bf16, W = 128, head_dim 512, index_head_dim 128):
+  V4-Flash (43 layers, 21 CSA): 43*128*512*2 + 21*4*(2*1024 + 2*256)*4 = 6.50 MB per state
+  V4-Pro   (61 layers, 30 CSA): 61*128*512*2 + 30*4*(2*1024 + 2*256)*4 = 9.22 MB per state
+against 0.88 / 1.26 MB of compressed entries per 128-token page (6880 / 9848 bytes per token,
+`bench cache`), so a state at every page would cost about 7.4x the entries: SGLang's own
+DeepSeek-V4 tree faces the same (it keeps SWA KV per token and tombstones it outside a budget).
+The store is a fixed LRU of `capacity` states (default: one per 16 pages of the token pool,
+`SGLANG_DSV4_PREFIX_STATES`), so a cached token costs its entries plus 6.50 MB / (16 * 128) =
+3.2 KB (Flash; +0.46x the entries; Pro 4.5 KB, +0.46x), and a 128K request with a 90 % hit needs
+one state (the boundary of its hit) to skip 115K tokens of prefill. Every hit refreshes the LRU
+order, so reused boundaries (system prompts, earlier turns) stay while one-off interior
+boundaries of long prompts age out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+STATES_ENV = "SGLANG_DSV4_PREFIX_STATES"
+OVERLAP_ROWS = 4  # the C4 block before the boundary, read by the overlapping compressors
+
+
+class PrefixStates:
+    def __init__(self, cache, capacity: int, page: int):
+        if capacity <= 0:
+            raise ValueError(f"{STATES_ENV}={capacity}: the prefix state store needs at least one state")
+        self.capacity, self.page = capacity, page
+        self.window = cache.cfg.sliding_window
+        dev = cache.device
+        self.swa, self.rows = [], []
+        for st in cache.layers:
+            self.swa.append(torch.zeros(capacity, self.window, st.swa.shape[-1], dtype=cache.dtype, device=dev))
+            rows = {}
+            if st.ratio == 4:
+                for name, (kv, _) in st.rows.items():
+                    shape = (capacity, OVERLAP_ROWS, kv.shape[-1])
+                    rows[name] = (torch.zeros(shape, dtype=kv.dtype, device=dev),
+                                  torch.zeros(shape, dtype=kv.dtype, device=dev))
+            self.rows.append(rows)
+        self._by_key: dict[int, int] = {}  # token slot of position L - 1 -> state index
+        self._key = [-1] * capacity
+        self._boundary = [0] * capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()  # used indices, oldest first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.hits = self.writes = 0
+
+    @staticmethod
+    def default_capacity(num_token_slots: int, page: int) -> int:
+        env = os.environ.get(STATES_ENV)
+        if env is not None:
+            try:
+                return int(env)
+            except ValueError:
+                raise ValueError(f"{STATES_ENV}={env!r}: expected a whole number of states") from None
+        return max(16, num_token_slots // page // 16)
+
+    def lookup(self, key: int, boundary: int) -> int | None:
+        """The state saved at `boundary` by the token slot `key` of position boundary - 1."""
+        idx = self._by_key.get(int(key))
+        if idx is None or self._boundary[idx] != boundary:
+            return None
+        return idx
+
+    def touch(self, idx: int) -> None:
+        self._lru.move_to_end(idx)
+        self.hits += 1
+
+    def usable_prefix(self, slots: list, length: int) -> int:
+        """Deepest page boundary <= length whose state is here, for a prefix whose token slot of
+        position p is slots[p]; that state is marked recently used."""
+        for b in range(length - length % self.page, 0, -self.page):
+            idx = self.lookup(slots[b - 1], b)
+            if idx is not None:
+                self.touch(idx)
+                return b
+        return 0
+
+    def reserve(self, keys: list, boundaries: list) -> list:
+        """State indices for the boundaries a store step is about to write (the oldest state is
+        reused when full). Returns one index per boundary, or -1 for a boundary whose index a
+        later one of the same call took (more boundaries than capacity: the deepest win)."""
+        out = []
+        for key, b in zip(keys, boundaries):
+            key = int(key)
+            idx = self._by_key.get(key)
+            if idx is None:
+                if self._free:
+                    idx = self._free.pop()
+                else:
+                    idx, _ = self._lru.popitem(last=False)
+                    del self._by_key[self._key[idx]]
+                    out = [-1 if i == idx else i for i in out]
+                self._by_key[key] = idx
+                self._key[idx] = key
+            self._boundary[idx] = b
+            self._lru[idx] = None
+            self._lru.move_to_end(idx)
+            out.append(idx)
+        self.writes += len(keys)
+        return out
+
+    def forget_boundaries(self, segs: list, token_slots) -> None:
+        """Drop the states of the page boundaries `segs` complete without saving new ones (a
+        static plan): whatever those slots held before belongs to an earlier request."""
+        for slot, start, n, _ in segs:
+            for b in range((start // self.page + 1) * self.page, start + n + 1, self.page):
+                idx = self._by_key.pop(int(token_slots[slot, b - 1]), None)
+                if idx is not None:
+                    del self._lru[idx]
+                    self._key[idx] = -1
+                    self._free.append(idx)
+
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self.swa)
+        for rows in self.rows:
+            n += sum(kv.numel() * kv.element_size() * 2 for kv, _ in rows.values())
+        return n
+
+    def stats(self) -> dict:
+        return {"capacity": self.capacity, "used": len(self._lru), "hits": self.hits, "writes": self.writes,
+                "bytes": self.nbytes()}
+
+
+class StateLists:
+    """Where one store step finds the rows of each state it saves: per state, the W window
+    positions and the OVERLAP_ROWS compressor positions before its boundary, each taken from this
+    forward's new rows (`*_new`, rows of the step's tensors) or from the slot's ring (`*_ring`,
+    flat ring rows) when the position was committed before the step."""
+
+    def __init__(self, idx, swa_new, swa_ring, swa_take_new, swa_valid, row_new, row_ring, row_take_new):
+        self.idx, self.swa_new, self.swa_ring = idx, swa_new, swa_ring
+        self.swa_take_new, self.swa_valid = swa_take_new, swa_valid
+        self.row_new, self.row_ring, self.row_take_new = row_new, row_ring, row_take_new
+
+
+def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int | None, token_slots,
+                device) -> StateLists | None:
+    """Reserve states for the page boundaries that `segs` complete and return their gather lists.
+    `segs`: (slot, start L, stored tokens n, first row of the segment in the step's new rows).
+    A boundary b with L < b <= L + n is complete once the step stores its rows."""
+    page, W = store.page, store.window
+    found = []
+    for slot, start, n, first in segs:
+        for b in range((start // page + 1) * page, start + n + 1, page):
+            found.append((slot, start, first, b))
+    if not found:
+        return None
+    if len(found) > store.capacity:  # more than the store holds: keep the deepest, forget the rest
+        cut = len(found) - store.capacity
+        store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in found[:cut]], token_slots)
+        found = found[cut:]
+    slots = torch.tensor([f[0] for f in found], device=token_slots.device)
+    ends = torch.tensor([f[3] - 1 for f in found], device=token_slots.device)
+    keys = token_slots[slots, ends].tolist()
+    idx = store.reserve(keys, [f[3] for f in found])
+    kept = [(f, i) for f, i in zip(found, idx) if i >= 0]
+    slot = torch.tensor([f[0] for f, _ in kept])[:, None]
+    start = torch.tensor([f[1] for f, _ in kept])[:, None]
+    first = torch.tensor([f[2] for f, _ in kept])[:, None]
+    b = torch.tensor([f[3] for f, _ in kept])[:, None]
+
+    def lists(q, ring):
+        take_new = q >= start
+        new = (first + q - start).clamp(min=0)
+        ring_rows = slot * ring + q.clamp(min=0) % ring if ring else torch.zeros_like(q)
+        return new.to(device), ring_rows.to(device), take_new.to(device)
+
+    q = b - W + torch.arange(W)
+    swa_new, swa_ring_rows, swa_take = lists(q, swa_ring)
+    q4 = b - OVERLAP_ROWS + torch.arange(OVERLAP_ROWS)
+    row_new, row_ring_rows, row_take = lists(q4, rows_ring)
+    return StateLists(torch.tensor([i for _, i in kept], device=device), swa_new, swa_ring_rows, swa_take,
+                      (q >= 0).to(device), row_new, row_ring_rows, row_take)
+
+
+def save_states(store: PrefixStates, layer: int, sl: StateLists, st, swa_new, rows_new: dict) -> None:
+    """Copy one layer's state rows, before the step overwrites the ring: window rows from the
+    layer's ring (`st.kv`'s first rows) or `swa_new`, C4 compressor rows likewise."""
+    ring_rows = st.kv[sl.swa_ring]
+    rows = torch.where(sl.swa_take_new[..., None], swa_new[sl.swa_new].to(ring_rows.dtype), ring_rows)
+    store.swa[layer][sl.idx] = torch.where(sl.swa_valid[..., None], rows, 0).to(store.swa[layer].dtype)
+    for name, dsts in store.rows[layer].items():
+        for dst, ring, new in zip(dsts, st.rows[name], rows_new[name]):
+            old = ring.view(-1, ring.shape[-1])[sl.row_ring]
+            dst[sl.idx] = torch.where(sl.row_take_new[..., None], new[sl.row_new].to(old.dtype), old)
+
+
+def restore_state(store: PrefixStates, cache, slot: int, boundary: int) -> None:
+    """Put the state saved at `boundary` for this slot's prefix into the slot's rings."""
+    key = int(cache.token_slots[slot, boundary - 1])
+    idx = store.lookup(key, boundary)
+    if idx is None:
+        raise RuntimeError(
+            f"dsv4_ascend: request slot {slot} resumes a cached prefix of {boundary} tokens, but no prefix "
+            f"state is saved for it (token slot {key}); the radix cache must only report hits that "
+            "DSV4RadixCache.match_prefix found a state for")
+    dev = cache.device
+    q = torch.arange(boundary - store.window, boundary, device=dev)
+    valid = q >= 0
+    q4 = torch.arange(boundary - OVERLAP_ROWS, boundary, device=dev)
+    for layer, st in enumerate(cache.layers):
+        st.swa[slot, q[valid] % st.swa.shape[1]] = store.swa[layer][idx][valid]
+        for name, (kv, gate) in store.rows[layer].items():
+            ring_kv, ring_gate = st.rows[name]
+            ring_kv[slot, q4 % ring_kv.shape[1]] = kv[idx]
+            ring_gate[slot, q4 % ring_gate.shape[1]] = gate[idx]

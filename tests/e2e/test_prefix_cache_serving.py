@@ -1,0 +1,126 @@
+"""The radix (prefix) cache for DeepSeek-V4 through a real SGLang server: requests that reuse an
+earlier request's prefix give exactly the greedy tokens of a server without the cache (every
+prompt computed cold), the hit is reported in `cached_tokens` and ends at a page boundary with a
+saved state, and under eviction pressure outputs stay identical, nothing fails, and the
+allocator's tokens come back."""
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 8
+PAGE = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv4(tmp_path_factory):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("dsv4_prefix") / "flash"), "flash", "nextn")
+
+
+def _ids(n, seed):
+    return torch.randint(100, 900, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = _ids(300, 1)  # a shared system prompt: its end (300) lies inside the third page
+BASE = _ids(400, 2)
+# (name, earlier request that leaves the prefix in the tree, the prompt that reuses it, expected hit)
+CASES = [
+    # 90 % of the prompt shared; the hit ends at the deepest page boundary (256) below 360
+    ("ninety_percent", BASE[:360] + _ids(20, 3), BASE[:360] + _ids(40, 4), 256),
+    # the shared part ends inside a C4 block (258 = 4 * 64 + 2): the hit stops at the page, 256
+    ("inside_c4_block", BASE[:258] + _ids(30, 5), BASE[:258] + _ids(30, 6), 256),
+    # shared part ends exactly on a C128 block boundary, inside the earlier request's window
+    ("c128_boundary", BASE[:256] + _ids(4, 7), BASE[:256] + _ids(50, 8), 256),
+    # the same prompt again: everything but the last page boundary's remainder
+    ("same_prompt", BASE[:300], BASE[:300], 256),
+]
+
+
+def _gen(srv, ids):
+    out = srv.generate(ids, N_NEW, ignore_eos=True)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def _flush(srv) -> None:
+    req = urllib.request.Request(srv.url + "/flush_cache", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
+def _used(srv) -> int:
+    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
+        return json.loads(r.read())["loads"][0]["num_used_tokens"]
+
+
+@pytest.fixture(scope="module")
+def cold_outputs(tiny_dsv4):
+    """Greedy outputs of every prompt with the radix cache off: each computed from position 0."""
+    from sglang_dsv4_ascend.tools.server import SGLangServer
+
+    prompts = [p for _, e, q, _ in CASES for p in (e, q)]
+    prompts += [SYSTEM + _ids(40, 100 + i) for i in range(6)]
+    prompts += [_ids(700, 200 + i) for i in range(6)]
+    with SGLangServer(tiny_dsv4, "--disable-radix-cache") as srv:
+        assert srv.server_info()["disable_radix_cache"] is True
+        return {tuple(p): srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts}
+
+
+def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, start_server):
+    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "256")
+    info = srv.server_info()
+    assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "dsv4_ascend"
+    assert "radix (prefix) cache disabled" not in srv.log_text()
+    idle = _used(srv)
+    for name, earlier, prompt, hit in CASES:
+        out, cached = _gen(srv, earlier)
+        assert out == cold_outputs[tuple(earlier)], name
+        out, cached = _gen(srv, prompt)
+        assert cached == hit, (name, cached)
+        assert out == cold_outputs[tuple(prompt)], name
+
+    # Many requests sharing one system prompt, concurrently: the first computes it, the others
+    # resume from the state saved at 256, inside the first request's 256-token prefill chunk.
+    first = SYSTEM + _ids(40, 100)
+    out, cached = _gen(srv, first)
+    assert out == cold_outputs[tuple(first)]
+    rest = [SYSTEM + _ids(40, 100 + i) for i in range(1, 6)]
+    with ThreadPoolExecutor(len(rest)) as ex:
+        results = list(ex.map(lambda p: _gen(srv, p), rest))
+    assert [o for o, _ in results] == [cold_outputs[tuple(p)] for p in rest]
+    assert all(c == 256 for _, c in results), [c for _, c in results]
+
+    # Everything the tree holds is freed by a flush: the allocator is back where it started.
+    _flush(srv)
+    deadline = time.monotonic() + 30
+    while _used(srv) != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _used(srv) == idle
+
+
+def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, start_server):
+    """A token pool of 2048 tokens and 3 prefix states for 700-token prompts: the tree and the
+    state store both evict while requests run; every output equals cold serving, none fails."""
+    srv = start_server(tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3",
+                       env={"SGLANG_DSV4_PREFIX_STATES": "3"})
+    idle = _used(srv)
+    long = [_ids(700, 200 + i) for i in range(6)]
+    with ThreadPoolExecutor(3) as ex:
+        rounds = [list(ex.map(lambda p: _gen(srv, p), long)) for _ in range(2)]
+    for results in rounds:
+        assert [o for o, _ in results] == [cold_outputs[tuple(p)] for p in long]
+    # the second round found some prefixes still cached, each at a page boundary
+    assert all(c % PAGE == 0 for r in rounds for _, c in r)
+    assert "prefix states: 3 x" in srv.log_text()
+    deadline = time.monotonic() + 30
+    _flush(srv)
+    while _used(srv) != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _used(srv) == idle

@@ -1,0 +1,173 @@
+"""Prefix states (attention_backend/prefix_state.py): a request that resumes a prefix another
+request computed, through shared token slots plus the state saved at the boundary, gives the
+logits and the cache state of computing the whole prompt itself (the cold oracle), for both the
+batched forward and the per-segment definition; restoring the window but not the open
+compressor rows, or a state saved at another boundary, is caught."""
+
+import pytest
+import torch
+
+from sglang_dsv4_ascend.attention_backend import prefix_state
+from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
+from sglang_dsv4_ascend.models.dsv4_core import ATTENTION_ENV, Segment
+
+PAGE = 128
+
+
+def _tables(length, share):
+    """Slot 0 (the earlier request) and slot 1 (the resuming one) own distinct pages, except that
+    slot 1's first `share` positions map to slot 0's slots (a radix hit: SGLang writes the tree's
+    slots into the new request's row)."""
+    pages = -(-length // PAGE)
+    table = torch.zeros(3, pages * PAGE, dtype=torch.int32)
+    for s in range(3):
+        table[s] = torch.arange(s * pages * PAGE, (s + 1) * pages * PAGE, dtype=torch.int32)
+    table[1, :share] = table[0, :share]
+    return table, 3 * pages * PAGE
+
+
+def _forward(model, cache, ids, slot, start, chunks):
+    """Logits of ids[start:] fed to `slot` in chunks of the given sizes."""
+    out, p = [], start
+    for n in chunks:
+        x = ids[p : p + n]
+        out.append(model.compute_logits(model(x, torch.arange(p, p + n), [Segment(slot, p, n)], cache)))
+        p += n
+    return torch.cat(out)
+
+
+def _prompts(length, share, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 1024, (length,), generator=g)
+    b = torch.cat([a[:share], torch.randint(0, 1024, (length - share,), generator=g)])
+    return a, b
+
+
+@pytest.mark.parametrize("impl", ["batched", "segments"])
+@pytest.mark.parametrize("preset,share,chunks_a", [
+    ("flash", 256, [300]),        # two boundaries deep inside one prefill chunk
+    ("pro", 128, [100, 40, 160]),  # a boundary completed by the middle chunk
+    ("flash", 384, [380, 1, 1, 1, 1, 1, 1]),  # the last boundary completed by a decode step
+])
+def test_resumed_prefix_equals_cold(dsv4_model, monkeypatch, impl, preset, share, chunks_a):
+    model = dsv4_model(preset)
+    monkeypatch.setattr(model, "attention_impl", impl)
+    L = sum(chunks_a)
+    a, b = _prompts(L, share)
+    table, n_tok = _tables(L, share)
+    table, n_tok = _tables(L + 1, share)
+    cache = DSV4Cache(model.cfg, 2, L + 1, token_slots=table, num_token_slots=n_tok)
+    store = cache.enable_prefix_states(capacity=8)
+    _forward(model, cache, a, 0, 0, chunks_a)
+    assert store.usable_prefix(table[1].tolist(), share) == share
+
+    cache.restore_prefix(1, share)
+    got = _forward(model, cache, b, 1, share, [L - share])
+    cold_cache = model.make_cache(1, L + 1)
+    cold = _forward(model, cold_cache, b, 0, 0, [L])[share:]
+    torch.testing.assert_close(got, cold, atol=1e-4, rtol=1e-4)
+    # and the next decode step reads the same state a cold request would have
+    nxt = torch.tensor([7])
+    d_got = model.compute_logits(model(nxt, torch.tensor([L]), [Segment(1, L, 1)], cache))
+    d_cold = model.compute_logits(model(nxt, torch.tensor([L]), [Segment(0, L, 1)], cold_cache))
+    torch.testing.assert_close(d_got, d_cold, atol=1e-4, rtol=1e-4)
+
+
+def test_window_without_compressor_rows_is_caught(dsv4_model, monkeypatch):
+    """Broken variant: restore the SWA rows only (the C4 compressor rows of the block before the
+    boundary stay whatever the slot held). The first entry completed after the hit pools wrong
+    rows, so the logits move."""
+    model = dsv4_model("flash")
+    L, share = 300, 256
+    a, b = _prompts(L, share)
+    table, n_tok = _tables(L, share)
+    cache = DSV4Cache(model.cfg, 2, L, token_slots=table, num_token_slots=n_tok)
+    cache.enable_prefix_states(capacity=8)
+    _forward(model, cache, a, 0, 0, [L])
+    rows = cache.prefix.rows
+    monkeypatch.setattr(cache.prefix, "rows", [{} for _ in rows])  # restore reads no compressor rows
+    cache.restore_prefix(1, share)
+    monkeypatch.setattr(cache.prefix, "rows", rows)
+    got = _forward(model, cache, b, 1, share, [L - share])
+    cold = _forward(model, model.make_cache(1, L), b, 0, 0, [L])[share:]
+    assert (got - cold).abs().max() > 1e-3
+
+
+def test_state_from_another_boundary_is_caught(dsv4_model):
+    """Broken variant: resume at 256 from the state saved at 128 (a lookup that ignored the
+    boundary). The window then holds the wrong positions and the logits move; the real lookup
+    refuses it."""
+    model = dsv4_model("flash")
+    L, share = 300, 256
+    a, b = _prompts(L, share)
+    table, n_tok = _tables(L, share)
+    cache = DSV4Cache(model.cfg, 2, L, token_slots=table, num_token_slots=n_tok)
+    store = cache.enable_prefix_states(capacity=8)
+    _forward(model, cache, a, 0, 0, [L])
+    assert store.lookup(int(table[1, 127]), 256) is None  # saved for 128, not 256
+    idx = store.lookup(int(table[1, 127]), 128)
+    store._by_key[int(table[1, 255])] = idx  # point 256's key at 128's state
+    store._boundary[idx] = 256
+    cache.restore_prefix(1, share)
+    got = _forward(model, cache, b, 1, share, [L - share])
+    cold = _forward(model, model.make_cache(1, L), b, 0, 0, [L])[share:]
+    assert (got - cold).abs().max() > 1e-3
+
+
+def test_store_is_lru_and_refuses_a_missing_state(dsv4_model):
+    model = dsv4_model("flash")
+    L = 640  # five boundaries in one prefill, three states: the two shallowest are dropped
+    a, _ = _prompts(L, 0)
+    table, n_tok = _tables(L, 0)
+    cache = DSV4Cache(model.cfg, 2, L, token_slots=table, num_token_slots=n_tok)
+    store = cache.enable_prefix_states(capacity=3)
+    _forward(model, cache, a, 0, 0, [L])
+    slots = table[0].tolist()
+    assert [store.lookup(slots[b - 1], b) is not None for b in (128, 256, 384, 512, 640)] == [False, False, True, True, True]
+    assert store.usable_prefix(slots, 600) == 512  # deepest boundary <= 600 with a state
+    # a new state evicts the least recently used one: 384 (512 was just used)
+    store.reserve([10_000], [128])
+    assert store.lookup(slots[383], 384) is None and store.lookup(slots[511], 512) is not None
+    with pytest.raises(RuntimeError, match="no prefix state is saved"):
+        cache.restore_prefix(1, 384)
+
+
+def test_rejected_verify_rows_save_no_state(dsv4_model):
+    """A deferred (speculative) forward saves a boundary's state only if the accepted rows reach
+    it, and a whole-forward variant that was never stored claims no state."""
+    model = dsv4_model("flash")
+    L = 130
+    a, _ = _prompts(L, 0)
+    table, n_tok = _tables(L, 0)
+    cache = DSV4Cache(model.cfg, 2, L, token_slots=table, num_token_slots=n_tok)
+    store = cache.enable_prefix_states(capacity=4)
+    _forward(model, cache, a, 0, 0, [126])
+    pending = []
+    model(a[126:130], torch.arange(126, 130), [Segment(0, 126, 4)], cache, pending=pending)
+    cache.apply(pending, accepted={0: 1})  # committed 127: boundary 128 not reached
+    assert store.lookup(int(table[0, 127]), 128) is None
+    pending = []
+    model(a[127:130], torch.arange(127, 130), [Segment(0, 127, 3)], cache, pending=pending)
+    cache.apply(pending, accepted={0: 2})  # committed 129: boundary 128 reached
+    assert store.lookup(int(table[0, 127]), 128) is not None
+
+
+def test_state_memory_matches_the_docstring_arithmetic():
+    """The per-state bytes the module docstring gives for the released configs, from the store's
+    real allocations (meta device, bf16)."""
+    from sglang_dsv4_ascend.bench.cache import CONFIGS
+    from sglang_dsv4_ascend.config import DSV4Config
+
+    for name, mb in (("flash", 6.50), ("pro", 9.22)):
+        cache = DSV4Cache(DSV4Config.from_hf(CONFIGS[name]), 1, 1024, dtype=torch.bfloat16, device="meta")
+        per_state = prefix_state.PrefixStates(cache, 1, PAGE).nbytes()
+        assert abs(per_state / 1e6 - mb) < 0.01, (name, per_state)
+        assert f"{mb:.2f} MB per state" in prefix_state.__doc__
+
+
+def test_env_capacity_is_checked(monkeypatch):
+    monkeypatch.setenv(prefix_state.STATES_ENV, "many")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_PREFIX_STATES"):
+        prefix_state.PrefixStates.default_capacity(4096, PAGE)
+    monkeypatch.setenv(prefix_state.STATES_ENV, "5")
+    assert prefix_state.PrefixStates.default_capacity(4096, PAGE) == 5
