@@ -124,3 +124,15 @@ def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, s
     while _used(srv) != idle and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _used(srv) == idle
+
+
+def test_bench_prefix_counts_the_servers_hits(tiny_dsv4):
+    """`bench prefix` through a server: the hit it reports is the server's page-aligned
+    `cached_tokens`, and the prefill it reports is what remained (timings are not asserted)."""
+    from sglang_dsv4_ascend.bench.prefix import run
+
+    rows = run(tiny_dsv4, [512], [0.5, 0.9], repeats=1)["results"]
+    (row,) = rows
+    assert row["cold"]["prefill_tokens"] == 512
+    assert row["hit_50pct"]["cached_tokens"] == 256 and row["hit_50pct"]["prefill_tokens"] == 256
+    assert row["hit_90pct"]["cached_tokens"] == 384 and row["hit_90pct"]["prefill_tokens"] == 128

@@ -171,3 +171,16 @@ def test_env_capacity_is_checked(monkeypatch):
         prefix_state.PrefixStates.default_capacity(4096, PAGE)
     monkeypatch.setenv(prefix_state.STATES_ENV, "5")
     assert prefix_state.PrefixStates.default_capacity(4096, PAGE) == 5
+
+
+def test_bench_prefix_memory_arithmetic():
+    """`bench prefix`'s memory rows: a cached token costs its entries plus its share of the state
+    store at the default density (one state per 16 pages), from the real allocations."""
+    from sglang_dsv4_ascend.bench.prefix import memory
+
+    for name in ("flash", "pro"):
+        m = memory(name)
+        assert m["cached_bytes_per_token"] == pytest.approx(m["entry_bytes_per_token"] + m["state_bytes"] / (16 * PAGE), abs=0.2)
+        # reusing 90 % of a 128K request keeps less than serving it without the cache would need
+        assert m["request_128k_90pct_hit_reused_bytes"] < m["request_128k_bytes_without_prefix_cache"]
+    assert memory("flash")["entry_bytes_per_token"] == pytest.approx(6880, abs=1)
