@@ -6,7 +6,7 @@ Three SGLang seams, all registered in registrations.py:
   files) before transformers or SGLang read it and fail with messages that point elsewhere.
 * `dsv4_overrides` — a model-override provider for `DeepseekV4ForCausalLM` (registered after
   SGLang's own, so ours wins): our backend, 128-token pages, SGLang's hybrid-SWA pools off, and
-  our radix cache (`--radix-cache-backend dsv4_ascend`; off under speculative decoding).
+  our radix cache (`--radix-cache-backend dsv4_ascend`, declared in `model_adjustments`).
 * `model_adjustments` — a resolution hook around `handle_model_specific_adjustments` (the
   override gate does not accept every field): refuses settings this plugin cannot serve yet,
   naming the flag and what is supported, before SGLang's own DeepSeek-V4 step turns them into a
@@ -53,9 +53,6 @@ def _log_replaced(server_args, ours: dict) -> None:
 def dsv4_overrides(server_args, hf_config) -> dict:
     """Model-override provider: runs after SGLang's own DeepSeek-V4 provider and replaces its
     `dsv4` backend and 256-token pages."""
-    from sglang.srt.arg_groups.model_override_base import resolving_view
-
-    cfg = resolving_view(server_args)
     user_page = _raw(server_args, "page_size")
     out = {
         "attention_backend": BACKEND_NAME,
@@ -66,14 +63,7 @@ def dsv4_overrides(server_args, hf_config) -> dict:
         # evict a second, unused copy.
         "disable_hybrid_swa_memory": True,
     }
-    if not cfg.disable_radix_cache:
-        if cfg.speculative_algorithm or _raw(server_args, "speculative_algorithm"):
-            # A hit would resume the target from its prefix state, but the draft's own caches (the
-            # NextN layer's window, DSpark's per-stage context rings) have no such state yet.
-            logger.info("dsv4_ascend: radix (prefix) cache disabled for DeepSeek-V4 under speculative "
-                        "decoding: the draft caches are not restored from prefix states yet")
-            out["disable_radix_cache"] = True
-    _log_replaced(server_args, {k: v for k, v in out.items() if k != "disable_radix_cache"})
+    _log_replaced(server_args, out)
     return out
 
 
@@ -257,7 +247,7 @@ def model_adjustments(server_args, previous):
         raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  "
                          + "\n  ".join(problems))
     decl = {}
-    if not cfg.disable_radix_cache and not (cfg.speculative_algorithm or _raw(server_args, "speculative_algorithm")):
+    if not cfg.disable_radix_cache:
         # SGLang's tree shares the token slots that carry the compressed entries; ours reports
         # hits only up to a page boundary whose prefix state (window + open compressor rows) was
         # saved (attention_backend/radix.py). Not model-overridable, so declared here.

@@ -64,6 +64,7 @@ class DSV4AscendBackend(AttentionBackend):
         # The per-segment definition (SGLANG_DSV4_ATTENTION=segments) needs no plan.
         self.build_plans = os.environ.get(ATTENTION_ENV, "batched") == "batched"
         self._slot_generation: dict = {}  # req slot -> SGLang's allocation generation we last saw
+        self.resumed: list = []
 
     @property
     def cache(self):
@@ -88,12 +89,14 @@ class DSV4AscendBackend(AttentionBackend):
         state saved at that boundary (its entries are already on the tree's token slots). Slot
         reuse is told by SGLang's per-row allocation generation (a host tensor)."""
         generation = self.req_to_token_pool.req_generation
+        self.resumed = []  # (slot, length) restored in this forward (a speculative worker's draft follows)
         for seg in segments:
             g = int(generation[seg.slot])
             if self._slot_generation.get(seg.slot) != g:
                 self._slot_generation[seg.slot] = g
                 if seg.start > 0:
                     self.cache.restore_prefix(seg.slot, seg.start)
+                    self.resumed.append((seg.slot, seg.start))
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

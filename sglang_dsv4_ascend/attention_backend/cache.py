@@ -127,6 +127,7 @@ class DSV4Cache:
             raise ValueError(f"DSV4Cache: token_slots {tuple(token_slots.shape)} / num_token_slots "
                              f"{num_token_slots} must cover {num_slots} slots x {self.capacity} positions")
         self.token_slots, self.num_token_slots = token_slots, num_token_slots
+        self.key_slots = token_slots  # what prefix states are keyed by (a draft cache: the target's)
         # One scratch request slot (its rings) and one scratch entry row per store, never read by a
         # real request: the padding rows of a static-shape plan (plan.Bucket) write there, so a
         # padded forward has the same write lists every step without touching live state.
@@ -136,16 +137,21 @@ class DSV4Cache:
         self.layers = [self._alloc(r) for r in ratios]
         self.prefix: PrefixStates | None = None  # states at page boundaries, for prefix (radix) hits
 
-    def enable_prefix_states(self, capacity: int | None = None, page: int = None) -> PrefixStates:
+    def enable_prefix_states(self, capacity: int | None = None, page: int = None, link: PrefixStates | None = None,
+                             key_slots=None) -> PrefixStates:
         """Save a state at every page boundary a store step completes (prefix_state.py), so a
-        request can resume a prefix another one computed: `restore_prefix`."""
+        request can resume a prefix another one computed: `restore_prefix`. A draft cache passes
+        the target's store as `link` and the target's token slots as `key_slots` (states are
+        keyed by the target's token slot of position boundary - 1)."""
         page = page or ENTRY_ALIGN
+        if key_slots is not None:
+            self.key_slots = key_slots
         if page % ENTRY_ALIGN:
             raise ValueError(f"DSV4Cache: prefix states need page boundaries that close every block; "
                              f"page {page} is not a multiple of {ENTRY_ALIGN}")
         if capacity is None:
             capacity = PrefixStates.default_capacity(self.num_token_slots, page)
-        self.prefix = PrefixStates(self, capacity, page)
+        self.prefix = PrefixStates(self, capacity, page, link=link)
         return self.prefix
 
     def restore_prefix(self, slot: int, length: int) -> None:
@@ -161,7 +167,7 @@ class DSV4Cache:
         if self.prefix is None:
             return None
         rows_ring = self.rows_ring(4) if any(st.ratio == 4 for st in self.layers) else None
-        return state_lists(self.prefix, segs, self.window_ring, rows_ring, self.token_slots,
+        return state_lists(self.prefix, segs, self.window_ring, rows_ring, self.key_slots,
                            self.device if device is None else device)
 
     def _alloc(self, ratio: int) -> _LayerState:

@@ -136,7 +136,7 @@ class WriteLists:
             return None
         if self._states is None:
             if self.static:  # host-side only: forget what these pages' slots held before
-                cache.prefix.forget_boundaries(self.state_segs, cache.token_slots)
+                cache.prefix.forget_boundaries(self.state_segs, cache.key_slots)
                 self._states = (None,)
             else:
                 self._states = (cache.state_lists(self.state_segs, device=self.swa_src.device),)

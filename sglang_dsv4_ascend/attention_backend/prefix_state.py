@@ -52,10 +52,13 @@ OVERLAP_ROWS = 4  # the C4 block before the boundary, read by the overlapping co
 
 
 class PrefixStates:
-    def __init__(self, cache, capacity: int, page: int):
+    def __init__(self, cache, capacity: int, page: int, link: "PrefixStates | None" = None):
+        """`link`: the target's store, for a draft cache's store (the NextN layer's window): it
+        keeps its own rows but uses the target's keys and indices, so a state covers target and
+        draft together, and saving a draft row never evicts anything."""
         if capacity <= 0:
             raise ValueError(f"{STATES_ENV}={capacity}: the prefix state store needs at least one state")
-        self.capacity, self.page = capacity, page
+        self.capacity, self.page, self.link = capacity, page, link
         self.window = cache.cfg.sliding_window
         dev = cache.device
         self.swa, self.rows = [], []
@@ -68,6 +71,7 @@ class PrefixStates:
                     rows[name] = (torch.zeros(shape, dtype=kv.dtype, device=dev),
                                   torch.zeros(shape, dtype=kv.dtype, device=dev))
             self.rows.append(rows)
+        self.extras: dict = {}  # name -> [capacity, ...]: draft state kept beside (drafters.py)
         self._by_key: dict[int, int] = {}  # token slot of position L - 1 -> state index
         self._key = [-1] * capacity
         self._boundary = [0] * capacity
@@ -87,6 +91,8 @@ class PrefixStates:
 
     def lookup(self, key: int, boundary: int) -> int | None:
         """The state saved at `boundary` by the token slot `key` of position boundary - 1."""
+        if self.link is not None:
+            return self.link.lookup(key, boundary)
         idx = self._by_key.get(int(key))
         if idx is None or self._boundary[idx] != boundary:
             return None
@@ -109,7 +115,10 @@ class PrefixStates:
     def reserve(self, keys: list, boundaries: list) -> list:
         """State indices for the boundaries a store step is about to write (the oldest state is
         reused when full). Returns one index per boundary, or -1 for a boundary whose index a
-        later one of the same call took (more boundaries than capacity: the deepest win)."""
+        later one of the same call took (more boundaries than capacity: the deepest win). A linked
+        store only finds the indices its target reserved in the same step (-1 where none)."""
+        if self.link is not None:
+            return [-1 if (i := self.link.lookup(k, b)) is None else i for k, b in zip(keys, boundaries)]
         out = []
         for key, b in zip(keys, boundaries):
             key = int(key)
@@ -133,6 +142,8 @@ class PrefixStates:
     def forget_boundaries(self, segs: list, token_slots) -> None:
         """Drop the states of the page boundaries `segs` complete without saving new ones (a
         static plan): whatever those slots held before belongs to an earlier request."""
+        if self.link is not None:
+            return self.link.forget_boundaries(segs, token_slots)
         for slot, start, n, _ in segs:
             for b in range((start // self.page + 1) * self.page, start + n + 1, self.page):
                 idx = self._by_key.pop(int(token_slots[slot, b - 1]), None)
@@ -143,6 +154,7 @@ class PrefixStates:
 
     def nbytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in self.swa)
+        n += sum(t.numel() * t.element_size() for t in self.extras.values())
         for rows in self.rows:
             n += sum(kv.numel() * kv.element_size() * 2 for kv, _ in rows.values())
         return n
@@ -164,19 +176,24 @@ class StateLists:
         self.row_new, self.row_ring, self.row_take_new = row_new, row_ring, row_take_new
 
 
+def boundaries_of(store: PrefixStates, segs) -> list:
+    """(slot, start, first row, boundary b) for each page boundary L < b <= L + n of `segs`
+    (slot, start L, stored n, first row)."""
+    page = store.page
+    return [(slot, start, first, b) for slot, start, n, first in segs
+            for b in range((start // page + 1) * page, start + n + 1, page)]
+
+
 def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int | None, token_slots,
                 device) -> StateLists | None:
     """Reserve states for the page boundaries that `segs` complete and return their gather lists.
     `segs`: (slot, start L, stored tokens n, first row of the segment in the step's new rows).
     A boundary b with L < b <= L + n is complete once the step stores its rows."""
-    page, W = store.page, store.window
-    found = []
-    for slot, start, n, first in segs:
-        for b in range((start // page + 1) * page, start + n + 1, page):
-            found.append((slot, start, first, b))
+    W = store.window
+    found = boundaries_of(store, segs)
     if not found:
         return None
-    if len(found) > store.capacity:  # more than the store holds: keep the deepest, forget the rest
+    if store.link is None and len(found) > store.capacity:  # more than the store holds: keep the deepest, forget the rest
         cut = len(found) - store.capacity
         store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in found[:cut]], token_slots)
         found = found[cut:]
@@ -218,7 +235,7 @@ def save_states(store: PrefixStates, layer: int, sl: StateLists, st, swa_new, ro
 
 def restore_state(store: PrefixStates, cache, slot: int, boundary: int) -> None:
     """Put the state saved at `boundary` for this slot's prefix into the slot's rings."""
-    key = int(cache.token_slots[slot, boundary - 1])
+    key = int(cache.key_slots[slot, boundary - 1])
     idx = store.lookup(key, boundary)
     if idx is None:
         raise RuntimeError(

@@ -190,13 +190,25 @@ class DSparkDraft(nn.Module):
         return first.main_norm(first.main_proj(torch.cat(parts, dim=-1)))
 
     @torch.no_grad()
-    def inject(self, cache: DSparkCache, feat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store every stage's context K/V for target features `feat` [n, d] of (slot, position)."""
+    def inject(self, cache: DSparkCache, feat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               before_store=None) -> None:
+        """Store every stage's context K/V for target features `feat` [n, d] of (slot, position).
+        `before_store(stage, kv, ring)`: called with each stage's new rows before they overwrite
+        its ring (the prefix states copy boundary windows there)."""
         if feat.shape[0] == 0:
             return
-        rows = slots * cache.ring + positions % cache.ring
+        # Only the last R positions of each slot land in its ring: two rows of one index_put must
+        # never collide (which one lands is unspecified); older ones go to the scratch slot (the
+        # last), which nothing reads. Fixed shapes, no host read.
+        last = torch.full((cache.rings.shape[1],), -1, dtype=positions.dtype, device=positions.device)
+        last = last.scatter_reduce(0, slots, positions, reduce="amax")
+        scratch = cache.rings.shape[1] - 1
+        rows = torch.where(positions > last[slots] - cache.ring, slots, scratch) * cache.ring + positions % cache.ring
         for s, stage in enumerate(self.mtp):
-            cache.rings[s].view(-1, cache.rings.shape[-1])[rows] = stage.inject(feat, positions).to(cache.rings.dtype)
+            kv = stage.inject(feat, positions)
+            if before_store is not None:
+                before_store(s, kv, cache.rings[s])
+            cache.rings[s].view(-1, cache.rings.shape[-1])[rows] = kv.to(cache.rings.dtype)
 
     # -- the block --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -59,6 +59,16 @@ class NextNDrafter:
         self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=w.model.model.dtype,
                                         device=w.device)
 
+    def enable_prefix(self, target_states) -> None:
+        """Prefix hits: the NextN layer's window rows go into a store linked to the target's (same
+        keys and indices). Its row p reads token p + 1; SGLang's tree keys EAGLE prefixes by token
+        pairs, so a hit at L also shares token L and every row < L is the request's own."""
+        self.draft_cache.enable_prefix_states(target_states.capacity, target_states.page, link=target_states,
+                                              key_slots=self.w.cache.token_slots)
+
+    def restore(self, slot: int, length: int) -> None:
+        self.draft_cache.restore_prefix(slot, length)
+
     def _step(self, ids, states, segments, pending=None):
         w = self.w
         return w.model.nextn.step(ids, states, _positions(segments, w.device), segments, self.draft_cache,
@@ -119,6 +129,48 @@ class DSparkDrafter:
         self.net = w.model.dspark
         self.layer_ids = tuple(w.model.cfg.dspark_target_layer_ids)
         self.ctx = self.net.make_cache(w.cache.num_slots, w.cache.spec_slack, device=w.device)
+        self.states = None  # the target's prefix states, when prefix hits are on
+
+    def enable_prefix(self, target_states) -> None:
+        """Prefix hits: each stage's injected context rows [b - W, b) are kept with the target's
+        state at boundary b (they depend on the target features of positions < b only)."""
+        self.states = target_states
+        rings = self.ctx.rings
+        target_states.extras["dspark_ctx"] = torch.zeros(target_states.capacity, rings.shape[0], self.ctx.window,
+                                                         rings.shape[-1], dtype=rings.dtype, device=rings.device)
+
+    def restore(self, slot: int, length: int) -> None:
+        idx = self.states.lookup(int(self.w.cache.token_slots[slot, length - 1]), length)
+        if idx is None:
+            raise RuntimeError(f"dsv4_ascend DSpark: no prefix state for slot {slot} at {length}")
+        q = torch.arange(length - self.ctx.window, length, device=self.w.device)
+        ok = q >= 0
+        self.ctx.rings[:, slot, q[ok] % self.ctx.ring] = self.states.extras["dspark_ctx"][idx][:, ok]
+
+    def _save_states(self, segments):
+        """Gather lists of the context rows of the boundaries this extend completes: per state, for
+        each position its row among the new ones or its ring row (read before the injection)."""
+        from ..attention_backend.prefix_state import boundaries_of
+
+        segs, off = [], 0
+        for s in segments:
+            segs.append((s.slot, s.start, s.length, off))
+            off += s.length
+        found = boundaries_of(self.states, segs)
+        keys = [int(self.w.cache.token_slots[slot, b - 1]) for slot, _, _, b in found]
+        idx = [self.states.lookup(k, b) for k, (_, _, _, b) in zip(keys, found)]
+        found = [(f, i) for f, i in zip(found, idx) if i is not None]
+        if not found:
+            return None
+        W, R = self.ctx.window, self.ctx.ring
+        t = torch.tensor([[slot, start, first, b] for (slot, start, first, b), _ in found])
+        q = t[:, 3:4] - W + torch.arange(W)
+        take_new = q >= t[:, 1:2]
+        new = (t[:, 2:3] + q - t[:, 1:2]).clamp(min=0)
+        ring = t[:, 0:1] * R + q.clamp(min=0) % R
+        dev = self.w.device
+        return (torch.tensor([i for _, i in found], device=dev), take_new.to(dev), new.to(dev), ring.to(dev),
+                (q >= 0).to(dev))
 
     def extend(self, segments, next_tokens, aux, rows, finals):
         """Inject the target features of every committed row into each stage's ring."""
@@ -126,7 +178,24 @@ class DSparkDrafter:
             return
         feat = self.net.features(aux["layer_streams"], rows)
         slots = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments]).to(self.w.device)
-        self.net.inject(self.ctx, feat, slots, _positions(segments, self.w.device))
+        saver = self._state_saver(segments) if self.states is not None else None
+        self.net.inject(self.ctx, feat, slots, _positions(segments, self.w.device), before_store=saver)
+
+    def _state_saver(self, segments):
+        """inject's `before_store`: copies each stage's window rows of the boundaries this extend
+        completes into the prefix states (None when it completes none)."""
+        lists = self._save_states(segments)
+        if lists is None:
+            return None
+        idx, take_new, new, ring, valid = lists
+        dst = self.states.extras["dspark_ctx"]
+
+        def save(stage, kv, ring_rows):
+            old = ring_rows.view(-1, ring_rows.shape[-1])[ring]
+            rows = torch.where(take_new[..., None], kv[new].to(old.dtype), old)
+            dst[idx, stage] = torch.where(valid[..., None], rows, 0).to(dst.dtype)
+
+        return save
 
     @torch.no_grad()
     def draft(self, slots, starts, bonus, histories=None, sampling=None):

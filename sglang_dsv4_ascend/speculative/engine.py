@@ -106,6 +106,8 @@ class SpecEngine:
         self.device = torch.device(device if device is not None else "cpu")
         self.generator = generator
         self.drafter = drafter_factory(self)
+        if cache.prefix is not None and hasattr(self.drafter, "enable_prefix"):
+            self.drafter.enable_prefix(cache.prefix)  # prefix hits restore the draft's state too
 
     def extend(self, segments, next_tokens, aux, rows, finals):
         """After a target forward committed `segments`: the drafter's context for them.

@@ -179,6 +179,10 @@ class DSV4SpecWorker(BaseSpecWorker):
     def _prefill(self, batch):
         out = self.target_worker.forward_batch_generation(batch)
         segments = self.runner.attn_backend.forward_metadata.segments
+        restore = getattr(self.engine.drafter, "restore", None)
+        for slot, length in self.runner.attn_backend.resumed:  # radix hits: the draft resumes too
+            if restore is not None:
+                restore(slot, length)
         sampled = out.next_token_ids.to("cpu").tolist()
         ids = batch.input_ids.to("cpu").tolist()
         # Draft row i reads token i+1: the next prompt token inside the chunk (or after it, for a

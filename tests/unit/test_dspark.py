@@ -328,3 +328,20 @@ def test_bad_settings_name_what_is_wrong(tmp_path, monkeypatch):
     monkeypatch.setenv(P.VERIFY_ENV, "compact")
     with pytest.raises(ValueError, match="SGLANG_DSV4_DSPARK_VERIFY='compact'"):
         P.verify_mode()
+
+
+def test_inject_of_a_chunk_longer_than_the_ring_keeps_its_last_positions(tiny):
+    """A prefill chunk longer than the context ring: each ring row holds the K/V of the last
+    position that maps to it (writing every position in one index_put would collide, and which
+    colliding row lands is unspecified)."""
+    trunk, draft = tiny
+    ctx = draft.make_cache(2, 4)
+    n = 3 * ctx.ring + 5
+    feat = torch.randn(n, trunk.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n)
+    draft.inject(ctx, feat, torch.ones(n, dtype=torch.long), pos)
+    for s, stage in enumerate(draft.mtp):
+        kv = stage.inject(feat, pos)
+        for p in range(n - ctx.ring, n):
+            torch.testing.assert_close(ctx.rings[s, 1, p % ctx.ring], kv[p].to(ctx.rings.dtype))
+        assert ctx.rings[s, 0].abs().sum() == 0  # another slot is untouched

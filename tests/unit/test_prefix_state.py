@@ -9,7 +9,7 @@ import torch
 
 from sglang_dsv4_ascend.attention_backend import prefix_state
 from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
-from sglang_dsv4_ascend.models.dsv4_core import ATTENTION_ENV, Segment
+from sglang_dsv4_ascend.models.dsv4_core import Segment
 
 PAGE = 128
 
@@ -184,3 +184,72 @@ def test_bench_prefix_memory_arithmetic():
         # reusing 90 % of a 128K request keeps less than serving it without the cache would need
         assert m["request_128k_90pct_hit_reused_bytes"] < m["request_128k_bytes_without_prefix_cache"]
     assert memory("flash")["entry_bytes_per_token"] == pytest.approx(6880, abs=1)
+
+
+def _spec_engine(tmp_path, kind, cache):
+    import types
+
+    from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+    from sglang_dsv4_ascend.speculative.drafters import make_drafter
+    from sglang_dsv4_ascend.speculative.engine import NextNEngine, SpecEngine
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint(str(tmp_path / kind), "flash", kind)
+    trunk = load_model_from_dir(ckpt)
+    gen = torch.Generator().manual_seed(0)
+    if kind == "nextn":
+        model = types.SimpleNamespace(model=trunk, nextn=load_nextn_from_dir(ckpt, trunk.cfg), cfg=trunk.cfg)
+        return trunk, lambda c: NextNEngine(model, c, 1, 2, 3, make_drafter, gen)
+    model = types.SimpleNamespace(model=trunk, dspark=load_dspark_from_dir(ckpt, trunk.cfg), cfg=trunk.cfg)
+    return trunk, lambda c: SpecEngine(model, c, make_drafter, gen, gamma=3, topk=1, num_steps=3, num_draft_tokens=4)
+
+
+def _prefill(trunk, eng, cache, ids, slot, start, nxt):
+    """Target forward of ids[start:] then the draft extend over it (the worker's prefill)."""
+    n = len(ids) - start
+    seg = [Segment(slot, start, n)]
+    aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
+    trunk(torch.tensor(ids[start:]), torch.arange(start, len(ids)), seg, cache, aux=aux)
+    eng.extend(seg, torch.tensor(ids[start + 1:] + [nxt]), aux, None, [(0, n - 1)])
+
+
+def _draft_view(eng, slot, L, bonus):
+    """What the drafter proposes from this slot: NextN's root logits, DSpark's block logits."""
+    d = eng.drafter
+    if hasattr(d, "root_logits"):
+        return d.root_logits[slot].clone()
+    trunk = eng.model.model
+    U, _ = d.net.block(d.ctx, [slot], [L], torch.tensor([bonus]), eng.gamma, trunk.embed, trunk.head.weight)
+    return U[0]
+
+
+@pytest.mark.parametrize("kind", ["nextn", "dspark"])
+@pytest.mark.parametrize("restore_draft", [True, False])
+def test_draft_state_resumes_with_the_prefix(tmp_path, kind, restore_draft):
+    """A speculative engine whose cache has prefix states: the request that resumes a prefix
+    drafts exactly what a cold request over the same tokens drafts (NextN's root logits read the
+    restored window rows; DSpark's block reads every stage's restored context). Skipping the
+    draft's restore (target restored only) is caught. For NextN the resumed request also shares
+    token L, as SGLang's EAGLE tree (bigram keys) guarantees: the draft row L - 1 reads it."""
+    L, share, new = 300, 256, 5
+    a = torch.randint(0, 1024, (L,), generator=torch.Generator().manual_seed(3)).tolist()
+    same = share + 1 if kind == "nextn" else share
+    b = a[:same] + torch.randint(0, 1024, (share + new - same,), generator=torch.Generator().manual_seed(4)).tolist()
+    table, n_tok = _tables(L + 8, share)
+    trunk, make = _spec_engine(tmp_path, kind, None)
+    cache = DSV4Cache(trunk.cfg, 3, L + 8, spec_slack=4, token_slots=table, num_token_slots=n_tok)
+    cache.enable_prefix_states(capacity=8)
+    eng = make(cache)
+    _prefill(trunk, eng, cache, a, 0, 0, 11)
+    cache.restore_prefix(1, share)
+    if restore_draft:
+        eng.drafter.restore(1, share)
+    _prefill(trunk, eng, cache, b, 1, share, 11)
+    _prefill(trunk, eng, cache, b, 2, 0, 11)  # cold
+    got, cold = _draft_view(eng, 1, len(b), 11), _draft_view(eng, 2, len(b), 11)
+    if restore_draft:
+        torch.testing.assert_close(got, cold, atol=1e-4, rtol=1e-4)
+    else:
+        assert (got - cold).abs().max() > 1e-3
