@@ -22,7 +22,11 @@ States are written in the same store step as the rings (`LayerWrites.store` / `D
 from this forward's new rows or the ring, before the ring is overwritten, so a boundary deep
 inside an 8K prefill chunk (a shared system prompt) gets its state without extra work beyond one
 copy of the window. Speculative verify stores only accepted rows, so a boundary gets a state
-only once it is committed.
+only once it is committed. A speculative worker's draft state rides along under the same index:
+the NextN layer's window (its cache's store is `link`ed to this one) and DSpark's per-stage
+context rows (`extras["dspark_ctx"]`), both saved in the step that commits the boundary and
+restored with the target (`speculative/drafters.py`). NextN row p reads token p + 1; SGLang's
+tree keys EAGLE prefixes by token pairs, so a hit at L shares token L too.
 
 Memory. A state is W rows per layer in the cache dtype plus, per CSA layer, OVERLAP_ROWS fp32
 rows of (kv, gate) for its compressor (width 2 x head_dim) and its indexer's (2 x index_head_dim).
