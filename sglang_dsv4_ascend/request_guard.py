@@ -34,6 +34,7 @@ Where the checks run (all written down in patches/README.md):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -135,10 +136,7 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
     if not dsv4:
         return
     if getattr(obj, "input_embeds", None) is not None:
-        raise RequestRejected(
-            "input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
-            "ignored and the answer would be for a different prompt); send text or input_ids"
-        )
+        raise RequestRejected(INPUT_EMBEDS_REFUSED)
     if getattr(obj, "text", None) is not None and getattr(obj, "input_ids", None) is not None:
         raise RequestRejected("text and input_ids: give one prompt, not both (the server would use only one)")
     if speculative:
@@ -165,11 +163,33 @@ def validate_one_request_hook(self, obj, input_ids):
 _CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)
 
 
+INPUT_EMBEDS_REFUSED = ("input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
+                        "ignored and the answer would be for a different prompt); send text or input_ids")
+
+
+@functools.lru_cache(maxsize=1)
+def _serves_dsv4() -> bool:
+    """Whether this server's model is DeepSeek-V4 (from its config.json; False when unknown)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        from .registrations import DSV4_ARCHS
+
+        with open(os.path.join(get_server_args().model_path, "config.json")) as f:
+            return (json.load(f).get("architectures") or [None])[0] in DSV4_ARCHS
+    except Exception:  # no server args in this process, a hub id, an unreadable config
+        return False
+
+
 def normalize_hook(orig, self):
     """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
     reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
     escape as TypeError / IndexError / OverflowError (e.g. `n: null`, `sampling_params: []`,
-    `n: 2**63`), which become 500s; they become 400s here."""
+    `n: 2**63`), which become 500s; they become 400s here. input_embeds for DeepSeek-V4 is
+    refused here, first: SGLang's own refusal under the radix cache would send the user to
+    --disable-radix-cache, after which ours would refuse it anyway."""
+    if getattr(self, "input_embeds", None) is not None and _serves_dsv4():
+        raise RequestRejected(INPUT_EMBEDS_REFUSED)
     try:
         return orig(self)
     except _CLIENT_FAULTS as e:

@@ -84,7 +84,7 @@ def cold_outputs(tiny_dsv4):
 
 
 def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, start_server):
-    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "256")
+    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "256", "--enable-mixed-chunk")
     info = srv.server_info()
     assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "dsv4_ascend"
     assert "radix (prefix) cache disabled" not in srv.log_text()
