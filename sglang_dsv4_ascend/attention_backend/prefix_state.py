@@ -39,7 +39,10 @@ DeepSeek-V4 tree faces the same (it keeps SWA KV per token and tombstones it out
 The store is a fixed LRU of `capacity` states (default: one per 16 pages of the token pool,
 `SGLANG_DSV4_PREFIX_STATES`), so a cached token costs its entries plus 6.50 MB / (16 * 128) =
 3.2 KB (Flash; +0.46x the entries; Pro 4.5 KB, +0.46x), and a 128K request with a 90 % hit needs
-one state (the boundary of its hit) to skip 115K tokens of prefill. Every hit refreshes the LRU
+one state (the boundary of its hit) to skip 115K tokens of prefill. Per request at 128K (`bench
+prefix`, bf16): without the prefix cache Flash holds 937.5 MB (`bench cache`: entries + rings) and
+recomputes all of it; with a 90 % hit it reuses 811.6 MB of shared entries plus one 6.5 MB state
+and computes the remaining 10 % (Pro: 1344.3 MB; 1161.8 + 9.2 MB reused). Every hit refreshes the LRU
 order, so reused boundaries (system prompts, earlier turns) stay while one-off interior
 boundaries of long prompts age out.
 """
