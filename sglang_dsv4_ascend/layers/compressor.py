@@ -55,19 +55,13 @@ class Compressor(nn.Module):
         """Entries from their gathered block rows: kv/gate [n, Lb, C] fp32 (`block_positions`
         order), ok [n, Lb] False where a row does not exist (the previous block of entry 0).
         -> [n, head_dim]: pooled, RMS-normed, roped at position j * r."""
-        r, D = self.ratio, self.head_dim
         if j.shape[0] == 0:
-            return kv.new_zeros(0, D, dtype=out_dtype)
-        ape = self.ape.float()
-        if not self.overlap:
-            kv, gate = kv, gate + ape
-        else:
-            gate_prev = (gate[:, :r, :D] + ape[:, :D]).masked_fill(~ok[:, :r, None], float("-inf"))
-            kv = torch.cat([kv[:, :r, :D], kv[:, r:, D:]], dim=1)
-            gate = torch.cat([gate_prev, gate[:, r:, D:] + ape[:, D:]], dim=1)
-        pooled = ops.softmax_pool(kv, gate)
+            return kv.new_zeros(0, self.head_dim, dtype=out_dtype)
+        return self._finish(ops.pool_block_rows(kv, gate, ok, self.ape, self.overlap), j, rotary, out_dtype)
+
+    def _finish(self, pooled, j, rotary, out_dtype):
         normed = ops.rms_norm(pooled, self.norm.weight.float(), self.norm.eps)
-        cos, sin = rotary(j * r)  # an entry sits at the position of its block's first token
+        cos, sin = rotary(j * self.ratio)  # an entry sits at the position of its block's first token
         return ops.apply_rope(normed, cos, sin).to(out_dtype)
 
     def compress(self, kv_rows, gate_rows, base: int, j0: int, j1: int, rotary, out_dtype) -> torch.Tensor:
@@ -85,12 +79,11 @@ class Compressor(nn.Module):
             return rows_new[0].new_zeros(0, self.head_dim, dtype=out_dtype)
         kv_new, gate_new = rows_new
         ring_kv, ring_gate = (t.flatten(0, 1) for t in ring)
-        from_ring = rp.blk_from_ring[..., None]
-        # Rows that do not exist (before position 0) are zeroed: their weight is 0, and 0 * garbage
+        # Rows that do not exist (before position 0) get weight 0 and are zeroed first: 0 * garbage
         # (a never-written ring row may hold NaN) must stay 0.
-        kv = torch.where(from_ring, ring_kv[rp.blk_ring], kv_new[rp.blk_fresh]).masked_fill(~rp.blk_ok[..., None], 0.0)
-        gate = torch.where(from_ring, ring_gate[rp.blk_ring], gate_new[rp.blk_fresh])
-        return self.entries_from_blocks(kv, gate, rp.blk_ok, rp.ent_j, rotary, out_dtype)
+        pooled = ops.block_pool(ring_kv, ring_gate, kv_new, gate_new, rp.blk_ring, rp.blk_fresh, rp.blk_from_ring,
+                                rp.blk_ok, self.ape, self.overlap)
+        return self._finish(pooled, rp.ent_j, rotary, out_dtype)
 
     def segment_entries(self, rows_new, start: int, read_rows, rotary, out_dtype):
         """Entries completed by the tokens [start, start + n) of one request.

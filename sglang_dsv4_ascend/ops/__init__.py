@@ -16,8 +16,10 @@ from . import reference
 
 _NAMES = (
     "apply_rope",
+    "block_pool",
     "mhc_mix",
     "mhc_weights",
+    "pool_block_rows",
     "rms_norm",
     "rope_cos_sin",
     "sinkhorn",
@@ -40,6 +42,9 @@ def _faster(family: str) -> dict:
 
             out["sparse_attention_with_sink"] = sparse_attention_with_sink
             out["sparse_attention_sources"] = sparse_attention_sources
+            from .triton.compress_pool import block_pool
+
+            out["block_pool"] = block_pool
         return out
     if family == "npu":
         from . import npu

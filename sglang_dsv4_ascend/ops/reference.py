@@ -89,6 +89,34 @@ def softmax_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * w).sum(dim=1)
 
 
+def pool_block_rows(kv: torch.Tensor, gate: torch.Tensor, ok: torch.Tensor, ape: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """Compressor pooling of gathered block rows (layers/compressor.py): kv / gate [E, Lb, C] fp32
+    in block order, ok [E, Lb] (False: the row does not exist, weight 0), ape [r, C] added to the
+    gates by offset in the block. Without overlap Lb = r and C = D. With overlap (CSA) Lb = 2r and
+    C = 2D: the previous block's rows pool through channels [0, D), the own block's through
+    [D, 2D). -> [E, D] fp32, unnormalised."""
+    r, D = ape.shape[0], (kv.shape[-1] // 2 if overlap else kv.shape[-1])
+    ape = ape.float()
+    kv = kv.masked_fill(~ok[..., None], 0.0)
+    if not overlap:
+        return softmax_pool(kv, gate + ape)
+    gate_prev = (gate[:, :r, :D] + ape[:, :D]).masked_fill(~ok[:, :r, None], float("-inf"))
+    kv = torch.cat([kv[:, :r, :D], kv[:, r:, D:]], dim=1)
+    gate = torch.cat([gate_prev, gate[:, r:, D:] + ape[:, D:]], dim=1)
+    return softmax_pool(kv, gate)
+
+
+def block_pool(ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape,
+               overlap: bool) -> torch.Tensor:
+    """`pool_block_rows` of rows gathered from two sources: row (e, l) is ring_kv/ring_gate
+    [blk_ring[e, l]] (a committed compressor ring, flattened [S * Rc, C]) where blk_from_ring,
+    else new_kv/new_gate[blk_fresh[e, l]] (this forward's rows [T, C]). -> [E, D] fp32."""
+    from_ring = blk_from_ring[..., None]
+    kv = torch.where(from_ring, ring_kv[blk_ring], new_kv[blk_fresh])
+    gate = torch.where(from_ring, ring_gate[blk_ring], new_gate[blk_fresh])
+    return pool_block_rows(kv, gate, blk_ok, ape, overlap)
+
+
 def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, max_chunk_elems: int = 1 << 24):
     """Attention of each query over its own gathered key set, with a per-head sink.
 

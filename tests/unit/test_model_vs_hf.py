@@ -210,7 +210,7 @@ def _sabotage(name, model, mp):
     if name == "indexer_selects_all":
         mp.setattr(Indexer, "select_batched", _select_all)
     elif name == "compressor_zeroed":
-        mp.setattr(Compressor, "entries_from_blocks", _zero_compress(Compressor.entries_from_blocks))
+        mp.setattr(Compressor, "_finish", _zero_compress(Compressor._finish))  # every entry goes through it
     elif name == "no_attention_sink":
         mp.setattr(ops, "sparse_attention_sources", _no_sink(ops.sparse_attention_sources))
     elif name == "no_inverse_rope_on_output":
