@@ -76,6 +76,7 @@ class DSV4AscendBackend(AttentionBackend):
         segments = segments_from_batch(forward_batch)
         if self.cache.prefix is not None:
             self._resume_prefix_hits(segments)
+            self._want_hinted_states(segments, getattr(forward_batch, "rids", None))
         plan = None
         if segments and self.build_plans:
             from .plan import build_plan
@@ -97,6 +98,19 @@ class DSV4AscendBackend(AttentionBackend):
                 if seg.start > 0:
                     self.cache.restore_prefix(seg.slot, seg.start)
                     self.resumed.append((seg.slot, seg.start))
+
+    def _want_hinted_states(self, segments, rids) -> None:
+        """Branching points the radix cache asked for (`PrefixStates.hint`) that this forward's
+        segments complete: their states are kept (the store's protected segment)."""
+        states = self.cache.prefix
+        states.wanted = set()
+        if not rids or not states.hints:
+            return
+        for seg, rid in zip(segments, rids):
+            b = states.hints.get(rid)
+            if b is not None and seg.start < b <= seg.start + seg.length:
+                states.wanted.add((seg.slot, b))
+                del states.hints[rid]
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

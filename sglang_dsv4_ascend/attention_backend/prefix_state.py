@@ -82,7 +82,14 @@ class PrefixStates:
         self._by_key: dict[int, int] = {}  # token slot of position L - 1 -> state index
         self._key = [-1] * capacity
         self._boundary = [0] * capacity
-        self._lru: OrderedDict[int, None] = OrderedDict()  # used indices, oldest first
+        # Segmented LRU: new states enter `_lru` (probation); a state that served a hit, or that
+        # a miss asked for (a branching point, `hint`), moves to `_kept` (at most half the store).
+        # Eviction takes probation first, so one long prompt's interior boundaries cannot push
+        # out the boundaries that requests actually share.
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._kept: OrderedDict[int, None] = OrderedDict()
+        self.hints: OrderedDict = OrderedDict()  # request id -> branching boundary it should save
+        self.wanted: set = set()  # (slot, boundary) of this forward to keep (from the hints)
         self._free = list(range(capacity - 1, -1, -1))
         self.hits = self.writes = 0
 
@@ -106,8 +113,32 @@ class PrefixStates:
         return idx
 
     def touch(self, idx: int) -> None:
-        self._lru.move_to_end(idx)
+        self.keep(idx)
         self.hits += 1
+
+    def keep(self, idx: int) -> None:
+        self._lru.pop(idx, None)
+        self._kept[idx] = None
+        self._kept.move_to_end(idx)
+        if len(self._kept) > max(1, self.capacity // 2):  # the oldest kept one goes back on probation
+            old, _ = self._kept.popitem(last=False)
+            self._lru[old] = None
+
+    def hint(self, request_id, boundary: int) -> None:
+        """A match found the tree's tokens up to `boundary` but no state there (a branching point,
+        e.g. the end of a shared system prompt inside an earlier, longer prompt): the request's own
+        prefill will pass it, and the state it saves there is kept (SGLang's Mamba tree does the
+        same with its branching seqlen)."""
+        self.hints[request_id] = boundary
+        self.hints.move_to_end(request_id)
+        while len(self.hints) > 4096:  # requests that never ran
+            self.hints.popitem(last=False)
+
+    def _evict_one(self) -> int:
+        src = self._lru if self._lru else self._kept
+        idx, _ = src.popitem(last=False)
+        del self._by_key[self._key[idx]]
+        return idx
 
     def usable_prefix(self, slots: list, length: int) -> int:
         """Deepest page boundary <= length whose state is here, for a prefix whose token slot of
@@ -134,12 +165,12 @@ class PrefixStates:
                 if self._free:
                     idx = self._free.pop()
                 else:
-                    idx, _ = self._lru.popitem(last=False)
-                    del self._by_key[self._key[idx]]
+                    idx = self._evict_one()
                     out = [-1 if i == idx else i for i in out]
                 self._by_key[key] = idx
                 self._key[idx] = key
             self._boundary[idx] = b
+            self._kept.pop(idx, None)  # new content: on probation
             self._lru[idx] = None
             self._lru.move_to_end(idx)
             out.append(idx)
@@ -155,7 +186,8 @@ class PrefixStates:
             for b in range((start // self.page + 1) * self.page, start + n + 1, self.page):
                 idx = self._by_key.pop(int(token_slots[slot, b - 1]), None)
                 if idx is not None:
-                    del self._lru[idx]
+                    self._lru.pop(idx, None)
+                    self._kept.pop(idx, None)
                     self._key[idx] = -1
                     self._free.append(idx)
 
@@ -167,7 +199,8 @@ class PrefixStates:
         return n
 
     def stats(self) -> dict:
-        return {"capacity": self.capacity, "used": len(self._lru), "hits": self.hits, "writes": self.writes,
+        return {"capacity": self.capacity, "used": len(self._lru) + len(self._kept), "kept": len(self._kept),
+                "hits": self.hits, "writes": self.writes,
                 "bytes": self.nbytes()}
 
 
@@ -200,15 +233,24 @@ def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int |
     found = boundaries_of(store, segs)
     if not found:
         return None
-    if store.link is None and len(found) > store.capacity:  # more than the store holds: keep the deepest, forget the rest
-        cut = len(found) - store.capacity
-        store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in found[:cut]], token_slots)
-        found = found[cut:]
+    if store.link is None and len(found) > store.capacity:
+        # more than the store holds: keep the wanted ones (hinted branching points) and the
+        # deepest others, forget the rest
+        wanted = [f for f in found if (f[0], f[3]) in store.wanted]
+        others = [f for f in found if (f[0], f[3]) not in store.wanted]
+        n_others = max(0, store.capacity - len(wanted))
+        drop = others[: len(others) - n_others]
+        store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in drop], token_slots)
+        found = sorted(wanted[-store.capacity:] + others[len(drop):], key=lambda f: (f[0], f[3]))
     slots = torch.tensor([f[0] for f in found], device=token_slots.device)
     ends = torch.tensor([f[3] - 1 for f in found], device=token_slots.device)
     keys = token_slots[slots, ends].tolist()
     idx = store.reserve(keys, [f[3] for f in found])
     kept = [(f, i) for f, i in zip(found, idx) if i >= 0]
+    if store.link is None:
+        for f, i in kept:
+            if (f[0], f[3]) in store.wanted:
+                store.keep(i)
     slot = torch.tensor([f[0] for f, _ in kept])[:, None]
     start = torch.tensor([f[1] for f, _ in kept])[:, None]
     first = torch.tensor([f[2] for f, _ in kept])[:, None]

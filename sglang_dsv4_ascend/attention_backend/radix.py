@@ -42,9 +42,12 @@ class DSV4RadixCache(RadixCache):
             return result
         length = result.device_prefix_len
         slots = self.path_device_indices(result.last_device_node)[:length].tolist()
-        usable = self.states.usable_prefix(slots, length)
+        states = self.states
+        usable = states.usable_prefix(slots, length)
         if usable == length:
             return result
+        if params.req is not None:  # the tree branches at `length`: save a state there this time
+            states.hint(params.req.rid, length)
         if usable == 0:
             return self._empty_match_result
         # Matching the shorter key ends the match (splitting a node if needed) exactly there.

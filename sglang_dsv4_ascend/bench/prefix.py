@@ -4,10 +4,13 @@ hit, through one real SGLang server, plus the memory arithmetic of the real conf
     python -m sglang_dsv4_ascend.bench prefix [--model DIR] [--lengths 2048,4096,8192] [--repeats 3]
 
 For each prompt length: a cold prompt (nothing shared), then for each hit fraction f an earlier
-request that shares the first f of the prompt (its own tail differs), then the prompt. The prompt
-is sent with max_new_tokens = 1, so its latency is its time to first token; `cached_tokens` is the
-server's own count of the hit (the deepest page boundary with a saved state). Every prompt is new
-to the server, so a cold run never hits by accident. Medians over --repeats, ratios to cold in the
+request that shares the first f of the prompt (its own tail differs), then two prompts with that
+prefix: the first sharer and a later one. A prompt is sent with max_new_tokens = 1, so its latency
+is its time to first token; `cached_tokens` is the server's own count of the hit (the deepest page
+boundary with a saved state). When the shared part ends inside a prompt longer than the state
+store holds, its boundary's state may be gone by the time the first sharer arrives: that one then
+hits less, asks the store to keep the branching point, and later sharers hit it (prefix_state.py,
+`hint`). Every prompt is new to the server, so a cold run never hits by accident. Medians over --repeats, ratios to cold in the
 same run. Memory: bytes per cached token of the released Flash / Pro configs (bf16) with and
 without prefix states at the default density, next to the per-request cost without a cache.
 """
@@ -74,15 +77,19 @@ def run(model: str, lengths: list, fractions: list, repeats: int) -> dict:
             row = {"prompt_tokens": n, "cold": {"ttft_s": statistics.median(t for t, _ in cold),
                                                 "prefill_tokens": n - max(c for _, c in cold)}}
             for f in fractions:
-                runs = []
+                runs = {"first_sharer": [], "later_sharer": []}
                 for _ in range(repeats):
                     shared = ids(int(n * f))
                     srv.generate(shared + ids(n - len(shared)), 1, ignore_eos=True)  # leaves the prefix
-                    runs.append(ttft(srv, shared + ids(n - len(shared))))
-                t = statistics.median(x for x, _ in runs)
-                cached = min(c for _, c in runs)
-                row[f"hit_{int(f * 100)}pct"] = {"ttft_s": t, "cached_tokens": cached, "prefill_tokens": n - cached,
-                                                "ttft_ratio_to_cold": round(t / row["cold"]["ttft_s"], 3)}
+                    for who in runs:
+                        runs[who].append(ttft(srv, shared + ids(n - len(shared))))
+                out = {}
+                for who, rr in runs.items():
+                    t = statistics.median(x for x, _ in rr)
+                    cached = min(c for _, c in rr)
+                    out[who] = {"ttft_s": t, "cached_tokens": cached, "prefill_tokens": n - cached,
+                                "ttft_ratio_to_cold": round(t / row["cold"]["ttft_s"], 3)}
+                row[f"hit_{int(f * 100)}pct"] = out
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     return {"results": rows}

@@ -144,8 +144,9 @@ def test_bench_prefix_counts_the_servers_hits(tiny_dsv4):
     rows = run(tiny_dsv4, [512], [0.5, 0.9], repeats=1)["results"]
     (row,) = rows
     assert row["cold"]["prefill_tokens"] == 512
-    assert row["hit_50pct"]["cached_tokens"] == 256 and row["hit_50pct"]["prefill_tokens"] == 256
-    assert row["hit_90pct"]["cached_tokens"] == 384 and row["hit_90pct"]["prefill_tokens"] == 128
+    for who in ("first_sharer", "later_sharer"):
+        assert row["hit_50pct"][who]["cached_tokens"] == 256 and row["hit_50pct"][who]["prefill_tokens"] == 256
+        assert row["hit_90pct"][who]["cached_tokens"] == 384 and row["hit_90pct"][who]["prefill_tokens"] == 128
 
 
 SPEC_STATS = ("spec_verify_ct", "spec_accept_length", "spec_correct_drafts_histogram")

@@ -253,3 +253,25 @@ def test_draft_state_resumes_with_the_prefix(tmp_path, kind, restore_draft):
         torch.testing.assert_close(got, cold, atol=1e-4, rtol=1e-4)
     else:
         assert (got - cold).abs().max() > 1e-3
+
+
+def test_a_hinted_branching_point_survives_a_long_prompt(dsv4_model):
+    """A store of 3 states and prompts of 5 boundaries: the first request keeps only its deepest
+    three, so a second request sharing 256 tokens misses (and the tree hints 256); its own prefill
+    then keeps the state at 256 over its deeper boundaries, and a third request resumes there.
+    Without the hint (the broken variant) the third request misses as well."""
+    model = dsv4_model("flash")
+    L = 640
+    for hinted in (True, False):
+        table, n_tok = _tables(L, 0)
+        cache = DSV4Cache(model.cfg, 3, L, token_slots=table, num_token_slots=n_tok)
+        store = cache.enable_prefix_states(capacity=3)
+        a, b = _prompts(L, 256)
+        _forward(model, cache, a, 0, 0, [L])
+        slots0 = table[0].tolist()
+        assert store.usable_prefix(slots0[:256], 256) == 0  # 128 and 256 were pushed out
+        store.wanted = {(1, 256)} if hinted else set()  # what the backend sets from the hint
+        _forward(model, cache, b, 1, 0, [L])
+        store.wanted = set()
+        slots1 = table[1].tolist()
+        assert (store.usable_prefix(slots1[:300], 300) == 256) == hinted
