@@ -134,6 +134,22 @@ class PrefixStates:
         while len(self.hints) > 4096:  # requests that never ran
             self.hints.popitem(last=False)
 
+    def rekey(self, old: int, new: int, boundary: int) -> None:
+        """The state saved at `boundary` under token slot `old` now belongs to slot `new` (the tree
+        kept its own copy of that page and freed `old`), unless `new` has a state there already."""
+        idx = self.lookup(old, boundary)
+        if idx is None or self.lookup(new, boundary) is not None:
+            return
+        stale = self._by_key.pop(int(new), None)  # `new` saved at another boundary: not its page now
+        if stale is not None:
+            self._lru.pop(stale, None)
+            self._kept.pop(stale, None)
+            self._key[stale] = -1
+            self._free.append(stale)
+        del self._by_key[int(old)]
+        self._by_key[int(new)] = idx
+        self._key[idx] = int(new)
+
     def _evict_one(self) -> int:
         src = self._lru if self._lru else self._kept
         idx, _ = src.popitem(last=False)

@@ -55,11 +55,24 @@ class DSV4RadixCache(RadixCache):
                                                       req=params.req))
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
+        """SGLang's insert; where the tree already held some of the request's pages, it frees the
+        request's copies and points its row at the tree's slots. States the request saved under
+        its own slots then move to the tree's (same tokens, same state), unless the tree's slot
+        already has one."""
+        page = self.page_size
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        ends = slice(page - 1, up_to - up_to % page, page)  # position b - 1 of each boundary b
+        before = row[ends].tolist()
         self._inserting = True
         try:
             return super().checkpoint(req, up_to=up_to, **kwargs)
         finally:
             self._inserting = False
+            after = row[ends].tolist()
+            states = self.states
+            for k, (old, new) in enumerate(zip(before, after)):
+                if old != new:
+                    states.rekey(old, new, (k + 1) * page)
 
 
 def create_dsv4_radix_cache(ctx):

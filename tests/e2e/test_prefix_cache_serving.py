@@ -31,6 +31,8 @@ def _ids(n, seed):
 
 
 SYSTEM = _ids(300, 1)  # a shared system prompt: its end (300) lies inside the third page
+# three 700-token prompts sharing their first 300 tokens (5 boundaries each, 3 states in the store)
+BRANCHING = [_ids(300, 60) + _ids(400, 61 + i) for i in range(3)]
 BASE = _ids(400, 2)
 # (name, earlier request that leaves the prefix in the tree, the prompt that reuses it, expected hit)
 CASES = [
@@ -78,6 +80,7 @@ def cold_outputs(tiny_dsv4):
     prompts = [p for _, e, q, _ in CASES for p in (e, q)]
     prompts += [SYSTEM + _ids(40, 100 + i) for i in range(6)]
     prompts += [_ids(700, 200 + i) for i in range(6)]
+    prompts += BRANCHING
     with SGLangServer(tiny_dsv4, "--disable-radix-cache") as srv:
         assert srv.server_info()["disable_radix_cache"] is True
         return {tuple(p): srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts}
@@ -128,6 +131,11 @@ def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, s
         assert [o for o, _ in results] == [cold_outputs[tuple(p)] for p in long]
     # the second round found some prefixes still cached, each at a page boundary
     assert all(c % PAGE == 0 for r in rounds for _, c in r)
+    # A shared part that ends inside longer prompts: the first request keeps only its deepest 3
+    # states, so the first sharer misses 256 (the tree hints it) and keeps it; the next one hits.
+    outs = [_gen(srv, p) for p in BRANCHING]
+    assert [o for o, _ in outs] == [cold_outputs[tuple(p)] for p in BRANCHING]
+    assert outs[1][1] < 256 and outs[2][1] == 256, [c for _, c in outs]
     assert "prefix states: 3 x" in srv.log_text()
     deadline = time.monotonic() + 30
     _flush(srv)

@@ -275,3 +275,18 @@ def test_a_hinted_branching_point_survives_a_long_prompt(dsv4_model):
         store.wanted = set()
         slots1 = table[1].tolist()
         assert (store.usable_prefix(slots1[:300], 300) == 256) == hinted
+
+
+def test_rekey_moves_a_state_to_the_trees_slot_unless_it_has_one(dsv4_model):
+    """When SGLang's insert finds a page already in the tree it frees the request's copy: the
+    state saved under the request's slot moves to the tree's slot (same tokens), and a state the
+    tree's slot already has is kept."""
+    cache = DSV4Cache(dsv4_model("flash").cfg, 1, 256)
+    store = cache.enable_prefix_states(capacity=4)
+    a, b, c = store.reserve([10, 20, 30], [128, 128, 256])
+    store.rekey(10, 11, 128)
+    assert store.lookup(10, 128) is None and store.lookup(11, 128) == a
+    store.rekey(11, 20, 128)  # 20 has its own state at 128: kept
+    assert store.lookup(11, 128) == a and store.lookup(20, 128) == b
+    store.rekey(11, 30, 128)  # 30's state is for 256: the slot now ends another page, it goes
+    assert store.lookup(30, 128) == a and store.lookup(30, 256) is None
