@@ -249,15 +249,20 @@ def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int |
     found = boundaries_of(store, segs)
     if not found:
         return None
-    if store.link is None and len(found) > store.capacity:
-        # more than the store holds: keep the wanted ones (hinted branching points) and the
-        # deepest others, forget the rest
-        wanted = [f for f in found if (f[0], f[3]) in store.wanted]
+    if store.link is None:
+        # The wanted ones (hinted branching points) are saved; of the others, only as many as
+        # probation holds (a long prompt's boundaries never push out kept states), the deepest
+        # first. The rest are forgotten (their slots' old states belong to earlier requests).
+        # Wanted ones are reserved last, so that nothing of this step evicts them.
+        wanted = [f for f in found if (f[0], f[3]) in store.wanted][-store.capacity:]
         others = [f for f in found if (f[0], f[3]) not in store.wanted]
-        n_others = max(0, store.capacity - len(wanted))
-        drop = others[: len(others) - n_others]
-        store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in drop], token_slots)
-        found = sorted(wanted[-store.capacity:] + others[len(drop):], key=lambda f: (f[0], f[3]))
+        room = max(0, store.capacity - len(store._kept) - len(wanted))
+        drop = others[: max(0, len(others) - room)]
+        if drop:
+            store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in drop], token_slots)
+        found = others[len(drop):] + wanted
+        if not found:
+            return None
     slots = torch.tensor([f[0] for f in found], device=token_slots.device)
     ends = torch.tensor([f[3] - 1 for f in found], device=token_slots.device)
     keys = token_slots[slots, ends].tolist()
