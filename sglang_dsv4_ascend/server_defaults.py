@@ -67,9 +67,10 @@ def dsv4_overrides(server_args, hf_config) -> dict:
     return out
 
 
-def unsupported_settings(server_args) -> list[str]:
+def unsupported_settings(server_args, hf=None) -> list[str]:
     """Messages for every explicit setting DeepSeek-V4 cannot be served with here, each naming
-    the flag, the value and what is supported. Reads user input and resolved fields alike."""
+    the flag, the value and what is supported. Reads user input and resolved fields alike.
+    `hf`: the checkpoint's config, for the checks of how it splits over ranks."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
@@ -79,16 +80,19 @@ def unsupported_settings(server_args) -> list[str]:
         if not ok:
             out.append(msg)
 
-    need(cfg.tp_size == 1, f"--tp-size {cfg.tp_size}: tensor parallelism for DeepSeek-V4 is not "
-                           "implemented in sglang-dsv4-ascend yet; supported: 1")
     need(cfg.pp_size == 1, f"--pp-size {cfg.pp_size}: pipeline parallelism is not supported for DeepSeek-V4; supported: 1")
-    need(cfg.dp_size == 1, f"--dp-size {cfg.dp_size}: data parallelism for DeepSeek-V4 is not implemented "
-                           "in sglang-dsv4-ascend yet; supported: 1")
-    need(cfg.attn_dp_size == 1 and not cfg.enable_dp_attention,
-         f"--enable-dp-attention / --attn-dp-size {cfg.attn_dp_size}: DP attention for DeepSeek-V4 is not "
-         "implemented in sglang-dsv4-ascend yet; supported: off")
-    need(cfg.ep_size == 1, f"--ep-size {cfg.ep_size}: expert parallelism for DeepSeek-V4 is not implemented "
-                           "in sglang-dsv4-ascend yet; supported: 1")
+    dp = max(cfg.dp_size or 1, _raw(server_args, "dp_size") or 1)
+    need(dp == 1 and cfg.attn_dp_size == 1 and not cfg.enable_dp_attention,
+         f"--dp-size {dp} / --enable-dp-attention: DP attention for DeepSeek-V4 (each DP rank's own "
+         "requests and caches, tokens exchanged with the MoE layout) is not implemented in sglang-dsv4-ascend yet; "
+         "supported: --dp-size 1 without --enable-dp-attention, with --tp-size N and --ep-size M (M divides N)")
+    if hf is not None and (cfg.tp_size > 1 or cfg.ep_size > 1):
+        from .distributed.layout import layout_problems
+
+        out += layout_problems(hf, cfg.tp_size, cfg.ep_size)
+        need(cfg.quantization != "w8a8_ascend",
+             f"--quantization w8a8_ascend with --tp-size {cfg.tp_size}: W8A8 weights are not split over ranks "
+             "yet; serve the W8A8 checkpoint with --tp-size 1, or the float checkpoint with tensor parallelism")
     need(cfg.kv_cache_dtype == "auto",
          f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
          "dtype; supported: auto")
@@ -242,7 +246,7 @@ def model_adjustments(server_args, previous):
     hf = model_config_of(server_args).hf_config
     if (getattr(hf, "architectures", None) or [None])[0] not in DSV4_ARCHS:
         return previous(server_args)
-    problems = unsupported_settings(server_args)
+    problems = unsupported_settings(server_args, hf)
     if problems:
         raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  "
                          + "\n  ".join(problems))

@@ -1,6 +1,15 @@
 """Cache bytes per token of context for DeepSeek-V4-Flash / -Pro, from the backend's allocations.
 
     python -m sglang_dsv4_ascend.bench cache --config flash|pro [--dtype bf16|fp32] [--spec-slack N]
+                                             [--tp N --ep M]
+
+With --tp (and --ep), also each rank's share under that layout (distributed/layout.py): its weight
+bytes (the model built on the meta device with the rank's heads, groups, experts and shared-expert
+slice), its cache bytes per token (the caches are replicated over attention TP: one shared KV head),
+how many tokens of context fit next to the weights on a 64 GB device (a 910C die), and the bytes
+each rank sends per decode token for the all-reduces our layout performs (attention wo_b in the model
+dtype, MoE partial sums in fp32, ring all-reduce 2(n-1)/n of the tensor), beside what an EP
+all-to-all dispatch + combine of the top-k copies would send. Arithmetic from shapes, not a timing.
 
 For each context length the dsv4_ascend cache (`DSV4Cache`, exactly what the backend allocates) is
 built for one request slot of that context on the `meta` device (shapes and bytes, no memory), and
@@ -77,13 +86,71 @@ def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
     }
 
 
+DEVICE_GB = 64  # HBM of one 910C die (one rank)
+
+
+def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131072) -> dict:
+    """One rank's weights, cache and traffic under --tp-size tp --ep-size ep (rank 0; every rank
+    holds the same amount)."""
+    from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
+    from sglang_dsv4_ascend.config import DSV4Config
+    from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
+    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+
+    cfg = DSV4Config.from_hf(CONFIGS[name])
+    problems = layout_problems(cfg, tp, ep)
+    if problems:
+        raise ValueError("; ".join(problems))
+    model = DSV4Model(cfg, dtype=dtype, device="meta", layout=Layout.for_flags(tp, ep))
+    weights = {"float": 0, "w8a8": 0}
+    for n, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        weights["float"] += b
+        # W8A8 (--quantization w8a8_ascend): the block linears in int8 plus one fp32 scale per row
+        linear = p.dim() == 2 and n.startswith("layers.") and ".hc_" not in n and "gate.weight" not in n
+        weights["w8a8"] += p.numel() + 4 * p.shape[0] if linear else b
+    for buf in model.buffers():
+        weights["float"] += buf.numel() * buf.element_size()
+        weights["w8a8"] += buf.numel() * buf.element_size()
+    cache = DSV4Cache(cfg, num_slots=1, max_context_len=context, dtype=dtype, device="meta")
+    per_tok = cache.nbytes()["total"] / context
+    elt, d, L, k = torch.tensor([], dtype=dtype).element_size(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts_per_tok
+    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
+    budget = DEVICE_GB * 1e9
+    return {
+        "tp": tp, "ep": ep, "moe_tp": tp // ep, "heads_per_rank": cfg.num_attention_heads // tp,
+        "experts_per_rank": cfg.n_routed_experts // ep,
+        "weights_gb": {k_: round(v / 1e9, 2) for k_, v in weights.items()},
+        "cache_bytes_per_token": round(per_tok, 1),
+        "cache_context_for_bytes_per_token": context,
+        "fits_on_64gb": {k_: v < budget for k_, v in weights.items()},
+        "kv_tokens_that_fit_64gb": {k_: max(0, int((budget - v) / per_tok)) for k_, v in weights.items()},
+        "sent_bytes_per_decode_token": {
+            "attention_all_reduce": round(L * ring * d * elt),
+            "moe_all_reduce_fp32": round(L * ring * d * 4),
+            "ep_all_to_all_dispatch_combine_reference": round(L * 2 * k * d * elt * (ep - 1) / ep) if ep > 1 else 0,
+        },
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_dsv4_ascend.bench cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="flash")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--spec-slack", type=int, default=0, help="speculative rows reserved per ring")
+    ap.add_argument("--tp", type=int, default=None, help="also report one rank's share under --tp-size N")
+    ap.add_argument("--ep", type=int, default=1, help="with --tp: --ep-size M (M divides N)")
+    ap.add_argument("--dp", type=int, default=1, help="with --tp: --dp-size (DP attention: not implemented, 1 only)")
     a = ap.parse_args(argv)
-    out = measure(a.config, torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.spec_slack)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    out = measure(a.config, dtype, a.spec_slack)
+    if a.tp is not None or a.dp != 1:
+        if a.dp != 1:
+            ap.error(f"--dp {a.dp}: DP attention for DeepSeek-V4 is not implemented yet; use --dp 1")
+        try:
+            out["per_rank"] = per_rank(a.config, a.tp or 1, a.ep, dtype)
+        except ValueError as e:
+            ap.error(str(e))
     print(json.dumps(out, indent=2))
     return 0
 

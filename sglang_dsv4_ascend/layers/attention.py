@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..distributed.layout import Layout
 from ..attention_backend.cache import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..ops.reference import Source
 from . import RMSNorm
@@ -29,19 +30,26 @@ from .rope import Rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype=None, device=None):
+    def __init__(self, cfg, layer_id: int, dtype=None, device=None, layout: Layout | None = None):
         super().__init__()
         self.cfg, self.layer_id, self.ratio = cfg, layer_id, cfg.compress_ratios[layer_id]
-        H, D, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-        self.n_heads, self.head_dim, self.window, self.eps = H, D, cfg.sliding_window, cfg.rms_norm_eps
+        # Attention TP (distributed/layout.py): this rank's heads, as whole output groups; the
+        # shared KV head, compressors and indexer are replicated.
+        self.layout = layout or Layout()
+        # With more ranks than output groups a rank holds part of one group's heads: its wo_a
+        # columns for them and that group's wo_b columns, whose product is a partial sum too.
+        tp = self.layout.attn_tp_size
+        H, G, D, d = cfg.num_attention_heads // tp, max(1, cfg.o_groups // tp), cfg.head_dim, cfg.hidden_size
+        self.n_heads, self.o_groups = H, G
+        self.head_dim, self.window, self.eps = D, cfg.sliding_window, cfg.rms_norm_eps
         kw = dict(bias=False, dtype=dtype, device=device)
         self.wq_a = nn.Linear(d, cfg.q_lora_rank, **kw)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, **kw)
         self.wkv = nn.Linear(d, D, **kw)
         self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, **kw)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, **kw)
+        self.wo_a = nn.Linear(H * D // G, G * cfg.o_lora_rank, **kw)  # this rank's heads of each of its groups
+        self.wo_b = nn.Linear(G * cfg.o_lora_rank, d, **kw)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
         self.rotary = Rotary(cfg.rope_for(layer_id), device=device)
         self.compressor = Compressor(cfg, self.ratio, D, dtype, device) if self.ratio else None
@@ -57,7 +65,8 @@ class Attention(nn.Module):
 
     def _finish(self, out, cos, sin):
         out = ops.apply_rope(out, cos, sin, inverse=True)
-        return self.wo_b(self._grouped_wo_a(out))
+        # wo_b is row-parallel over the groups: each rank holds a partial sum.
+        return self.layout.all_reduce(self.wo_b(self._grouped_wo_a(out)))
 
     def forward(self, x, positions, segments, cache, pending: list | None = None, plan=None) -> torch.Tensor:
         """The batched path when a `plan` (attention_backend.plan) is given, else the per-segment
@@ -167,7 +176,7 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Group g's heads (contiguous) -> o_lora via its own block of wo_a; groups concatenated."""
-        G = self.cfg.o_groups
+        G = self.o_groups
         groups = o.flatten(1).unflatten(-1, (G, -1))  # [T, G, H*D/G]
         wa = self.wo_a.weight.unflatten(0, (G, -1))  # [G, o_lora, H*D/G]
         return torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)

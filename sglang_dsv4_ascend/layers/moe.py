@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..distributed.layout import Layout
 
 
 class Expert(nn.Module):
@@ -52,14 +53,21 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype=None, device=None):
+    def __init__(self, cfg, layer_id: int, dtype=None, device=None, layout: Layout | None = None):
         super().__init__()
         d, inter, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
         self.limit = lim
+        # EP / MoE-TP (distributed/layout.py): this rank's experts, keyed by their global ids (the
+        # released names), each with its part of the intermediate dimension; the router is
+        # replicated, the shared expert split over the TP group, partial sums reduced over it.
+        self.layout = layout or Layout()
+        self.local = self.layout.experts(cfg.n_routed_experts)
+        part = inter // self.layout.moe_tp_size
         self.gate = Gate(cfg, cfg.hash_layers[layer_id], dtype, device)
-        self.experts = nn.ModuleList(Expert(d, inter, lim, dtype, device) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleDict({str(e): Expert(d, part, lim, dtype, device) for e in self.local})
         n_shared = cfg.n_shared_experts
-        self.shared_experts = Expert(d, inter * n_shared, lim, dtype, device) if n_shared else None
+        self.shared_experts = (Expert(d, inter * n_shared // self.layout.tp_size, lim, dtype, device)
+                               if n_shared else None)
         self._stacked = None
         # torch._grouped_mm needs 16-byte-aligned row strides (and exists since torch 2.8).
         self._grouped = hasattr(torch, "_grouped_mm") and d % 8 == 0 and inter % 8 == 0
@@ -70,8 +78,8 @@ class MoE(nn.Module):
         Done once after loading (and lazily before the first forward)."""
         stacks = []
         for name in ("w1", "w3", "w2"):
-            w = torch.stack([getattr(e, name).weight.data for e in self.experts])
-            for i, e in enumerate(self.experts):
+            w = torch.stack([getattr(e, name).weight.data for e in self.experts.values()])
+            for i, e in enumerate(self.experts.values()):
                 getattr(e, name).weight.data = w[i]
             stacks.append(w)
         self._stacked = tuple(stacks)
@@ -85,34 +93,46 @@ class MoE(nn.Module):
             # training (tools/train_tiny.py): the grouped path reads stacked copies of the weights
             # that autograd does not connect to the parameters
             return self.forward_per_expert(y, input_ids)
-        if self._stacked is None or self._stacked[0].data_ptr() != self.experts[0].w1.weight.data_ptr():
+        first = self.experts[str(self.local.start)]
+        if self._stacked is None or self._stacked[0].data_ptr() != first.w1.weight.data_ptr():
             self.stack_experts()
         w1, w3, w2 = self._stacked
         experts, weights = self.gate(y, input_ids)
         T, k = experts.shape
-        flat = experts.flatten()
+        E = w1.shape[0]
+        # Copies routed to another EP rank's experts get key E: sorted after every local group,
+        # outside the grouped matmuls' offsets (their rows are left unwritten, masked below).
+        flat = experts.flatten() - self.local.start
+        here = (flat >= 0) & (flat < E)
+        flat = torch.where(here, flat, E)
         order = torch.argsort(flat, stable=True)
         token = order // k
         # Copies per expert with a fixed-size scatter (bincount's output size depends on the data).
-        counts = torch.zeros(w1.shape[0], dtype=torch.int64, device=y.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=y.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts[:E], 0).to(torch.int32)
         x = y[token]
         h = ops.swiglu_clamped(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
                                torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), self.limit)
         routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float() * weights.flatten()[order, None]
+        if self.layout.sharded:
+            routed = torch.where(here[order, None], routed, 0.0)
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, token, routed)
+        return self._combine(out, y)
+
+    def _combine(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Routed + shared expert, summed over the ranks in fp32 (each holds a partial sum)."""
         if self.shared_experts is not None:
             out += self.shared_experts(y).float()
-        return out.to(y.dtype)
+        return self.layout.all_reduce(out).to(y.dtype)
 
     def forward_per_expert(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The definition: loop over the experts that received tokens (host-synchronising)."""
         experts, weights = self.gate(y, input_ids)
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
         for e in torch.unique(experts).tolist():
+            if e not in self.local:  # another EP rank's
+                continue
             tok, slot = torch.where(experts == e)
-            contrib = self.experts[e](y[tok]).float() * weights[tok, slot, None]
+            contrib = self.experts[str(e)](y[tok]).float() * weights[tok, slot, None]
             out.index_add_(0, tok, contrib)
-        if self.shared_experts is not None:
-            out += self.shared_experts(y).float()
-        return out.to(y.dtype)
+        return self._combine(out, y)

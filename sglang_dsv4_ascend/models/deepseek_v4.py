@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
+from ..distributed.layout import Layout, log_layout
 from .dsv4_core import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
@@ -35,8 +36,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         self.config = config
-        self.cfg = DSV4Config.from_hf(config)
-        self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype())
+        self.cfg = DSV4Config.from_hf(_checkpoint_shapes(config))
+        # This rank's heads and experts under --tp-size / --ep-size (distributed/layout.py).
+        self.layout = Layout.from_sglang()
+        log_layout(self.layout)
+        self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype(), layout=self.layout)
         self.quant_description = None
         if quant_config is not None:
             if quant_config.get_name() != "w8a8_ascend":
@@ -47,7 +51,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
-        self.logits_processor = LogitsProcessor(config)
+        # The head is replicated (every rank computes the full vocabulary): nothing to gather.
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         # The draft (NextN's mtp.0 or DSpark's mtp.0..2), built only when a speculative worker will
         # use it.
         kind = _draft_kind(self.cfg)
@@ -95,6 +100,29 @@ class DeepseekV4ForCausalLM(nn.Module):
                 old = self.dspark.mtp[-1].confidence_head.proj.weight
                 self.dspark.mtp[-1].confidence_head = ConfidenceHead(old.shape[1], bias=False, device=old.device)
             load_dspark(self.dspark, draft, source=source)
+
+
+# SGLang's CPU model runner pads head counts and intermediate sizes that a TP size does not divide
+# (configs/update_config.adjust_config_with_unaligned_cpu_tp) and keeps the checkpoint's values as
+# original_*. Our layout splits the real shapes (whole output groups, whole experts) and refuses
+# what it cannot split, so the model is built from the checkpoint's values.
+_PADDED = {"num_attention_heads": "original_num_attention_heads",
+           "num_key_value_heads": "original_total_num_kv_heads",
+           "moe_intermediate_size": "original_moe_intermediate_size",
+           "intermediate_size": "original_intermediate_size"}
+
+
+def _checkpoint_shapes(config):
+    """`config` as the checkpoint wrote it (a copy when SGLang padded it)."""
+    undo = {k: getattr(config, v) for k, v in _PADDED.items() if getattr(config, v, None) is not None}
+    if not undo or all(getattr(config, k, None) == v for k, v in undo.items()):
+        return config
+    import copy
+
+    config = copy.copy(config)
+    for k, v in undo.items():
+        setattr(config, k, v)
+    return config
 
 
 def _divert(weights, prefix: str, into: list):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DSV4Config
+from ..distributed.layout import Layout
 from ..layers import RMSNorm
 from ..layers.attention import Attention
 from ..layers.mhc import hc_head, hc_post, hc_pre
@@ -59,7 +60,7 @@ def cast_params(module: nn.Module, dtype) -> None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer_id: int, dtype=None, device=None):
+    def __init__(self, cfg: DSV4Config, layer_id: int, dtype=None, device=None, layout: Layout | None = None):
         super().__init__()
         self.cfg = cfg
         n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.hidden_size
@@ -69,8 +70,8 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, device=device)))
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.attn = Attention(cfg, layer_id, dtype, device)
-        self.ffn = MoE(cfg, layer_id, dtype, device)
+        self.attn = Attention(cfg, layer_id, dtype, device, layout)
+        self.ffn = MoE(cfg, layer_id, dtype, device, layout)
 
     def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None):
         return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan))
@@ -85,12 +86,15 @@ class Block(nn.Module):
 
 
 class DSV4Model(nn.Module):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32, device=None, layout: Layout | None = None):
+        """`layout`: this rank's place in the TP / EP groups (distributed/layout.py); the
+        attention heads and experts it holds, the rest replicated. One rank by default."""
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.layout = layout or Layout()
         d = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, device, self.layout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         add_hc_head(self, cfg, device)

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from ..config import DSV4Config
+from ..distributed.sharding import SKIP, shard
 from .dsv4_core import DSV4Model
 
 _FLOAT_OK = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,9 +56,12 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
     weights: (name, tensor) or (name, tensor, file) items. source: a file/dir name for all tensors,
     or a {name: file} dict, used in error messages. `prefix`: load only the tensors under it (a
     draft module: "mtp.0."), named without it in `model`; by default the trunk, without `mtp.*`.
+    A sharded model (`model.layout`, distributed/) takes its slice of each split tensor and skips
+    the experts another rank holds.
     Raises ValueError on a missing, unexpected, mis-shaped or quantized tensor, or an out-of-range
     tid2eid table."""
     targets = {prefix + k: v for k, v in model.state_dict(keep_vars=True).items()}
+    layout = getattr(model, "layout", None)
     loaded = set()
 
     def file_of(name, explicit=None):
@@ -76,6 +80,15 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
                              "with --quantization w8a8_ascend")
         if tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK:
             raise _dtype_error(name, tensor.dtype, file)
+        if layout is not None and layout.sharded:  # this rank's slice, or another rank's tensor
+            shape = tuple(tensor.shape)
+            try:
+                tensor = shard(name, tensor, layout, model.cfg.n_routed_experts, model.cfg.o_groups)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}{_where(name, file)} with shape {shape}: cannot split it for "
+                                 f"{layout.describe()}: {e}") from None
+            if tensor is SKIP:
+                continue
         target = targets.get(name)
         if target is None:
             raise ValueError(
@@ -133,10 +146,10 @@ def iter_checkpoint(path: str, skip=is_ignored):
                     yield name, f.get_tensor(name), fname
 
 
-def load_model_from_dir(path: str, dtype: torch.dtype = torch.float32, device=None) -> DSV4Model:
-    """config.json + safetensors -> an eval-mode DSV4Model."""
+def load_model_from_dir(path: str, dtype: torch.dtype = torch.float32, device=None, layout=None) -> DSV4Model:
+    """config.json + safetensors -> an eval-mode DSV4Model (this rank's part under `layout`)."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = DSV4Config.from_hf(json.load(f))
-    model = DSV4Model(cfg, dtype=dtype, device=device)
+    model = DSV4Model(cfg, dtype=dtype, device=device, layout=layout)
     load_released_weights(model, iter_checkpoint(path), source=path)
     return model.eval()

@@ -18,7 +18,7 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from .threads import THREADS_ENV, scheduler_threads
+from .threads import BIND_ENV, THREADS_ENV, rank_core_bind, scheduler_threads
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             server_args.sleep_on_idle = True
             logger.info("CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
                         "core; %s=0 to keep SGLang's polling)", SLEEP_ON_IDLE_ENV)
+        ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
+        if ranks > 1 and not os.environ.get(BIND_ENV):
+            # SGLang's CPU path wants one NUMA node per rank unless told which cores each rank
+            # binds (its assert names this variable); the children inherit it.
+            os.environ[BIND_ENV] = rank_core_bind(ranks)
+            logger.info("CPU reference platform: %d ranks bound to cores %s (%s to change)", ranks,
+                        os.environ[BIND_ENV], BIND_ENV)
         if getattr(server_args, "max_total_tokens", None) is None:
             server_args.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
             logger.info("CPU reference platform: capping the KV pool at %d tokens "

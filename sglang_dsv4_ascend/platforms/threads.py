@@ -5,6 +5,21 @@ from __future__ import annotations
 import os
 
 THREADS_ENV = "SGLANG_DSV4_CPU_THREADS"  # intra-op threads of each scheduler process
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: the cores of each rank, "0-3|4-7"
+
+
+def rank_core_bind(ranks: int, cores: list[int] | None = None) -> str:
+    """SGLang's per-rank core list for `ranks` ranks on this process's cores: contiguous equal
+    shares when there are enough cores, else ranks share cores round-robin (a CPU test of a
+    layout, not a fast one)."""
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if ranks <= len(cores):
+        per = len(cores) // ranks
+        parts = [cores[i * per:(i + 1) * per] for i in range(ranks)]
+    else:
+        parts = [[cores[i % len(cores)]] for i in range(ranks)]
+    return "|".join(",".join(map(str, p)) for p in parts)
 
 
 def scheduler_threads(cores: int | None = None, ranks: int = 1) -> int:

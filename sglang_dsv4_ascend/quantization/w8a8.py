@@ -430,7 +430,7 @@ def apply_quant_description(model: nn.Module, desc: dict, *, family: Optional[st
     for ffn in plan["moe"]:
         parent_name, _, attr = ffn.rpartition(".")
         moe = model.get_submodule(ffn)
-        first = moe.experts[0]
+        first = next(iter(moe.experts.values()))
         experts = W8A8Experts(len(moe.experts), first.w1.in_features, first.w1.out_features, first.limit,
                               name=f"{ffn}.experts", scale_dtype=scale_dtype, family=family, device=dev)
         setattr(model.get_submodule(parent_name), attr, W8A8MoE(moe, experts))

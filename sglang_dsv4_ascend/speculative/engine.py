@@ -95,12 +95,13 @@ class _Stages:
 
 class SpecEngine:
     def __init__(self, model, cache, drafter_factory, generator: torch.Generator, device=None, planner=None,
-                 **shape):
+                 sync=None, **shape):
         """`model`: our DeepseekV4ForCausalLM-like object with `.model` (DSV4Model), `.cfg` and its
         draft (`.nextn` or `.dspark`); `cache`: the target's DSV4Cache. `shape`: the drafter's
         settings (topk, num_steps, num_draft_tokens for NextN; gamma for DSpark), kept as
-        attributes. `planner` (planner.Planner): trims chains before verify."""
-        self.model, self.cache, self.planner = model, cache, planner
+        attributes. `planner` (planner.Planner): trims chains before verify. `sync`
+        (distributed/spec_sync.RankSync): checks each round's decisions across ranks when asked."""
+        self.model, self.cache, self.planner, self.sync = model, cache, planner, sync
         for k, v in shape.items():
             setattr(self, k, v)
         self.device = torch.device(device if device is not None else "cpu")
@@ -177,6 +178,10 @@ class SpecEngine:
                 out.bonus.append(tok)
                 out.paths.append(path)
             self.cache.apply(pending, keep=tuple(keep))
+        if self.sync is not None:
+            self.sync.check({"drafted": [[int(x) for x in t.tokens] for t in drafts.trees], "budget": plan.get("budget"),
+                             "accept_lens": out.accept_lens, "paths": [list(p) for p in out.paths],
+                             "bonus": [int(t) for t in out.bonus]})
         with stage("extend"):
             ends, acc = [], 0
             for b, s in enumerate(ext_segs):
@@ -189,9 +194,9 @@ class SpecEngine:
 
 
 def NextNEngine(model, cache, topk: int, num_steps: int, num_draft_tokens: int, drafter_factory,
-                generator: torch.Generator, device=None) -> SpecEngine:
+                generator: torch.Generator, device=None, sync=None) -> SpecEngine:
     """The NextN chain / tree engine (no planner: every tree node is verified)."""
-    return SpecEngine(model, cache, drafter_factory, generator, device, topk=topk, num_steps=num_steps,
+    return SpecEngine(model, cache, drafter_factory, generator, device, sync=sync, topk=topk, num_steps=num_steps,
                       num_draft_tokens=num_draft_tokens)
 
 

@@ -176,11 +176,14 @@ class Planner:
         return lens
 
 
-def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64) -> CostModel:
+def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64,
+                 agree=None) -> CostModel:
     """The verify cost model of this machine: timed target forwards over R requests of k rows
     (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1), writes deferred and
     dropped (the cache is not touched), one untimed warm-up each, best of two; stops once
-    `budget_s` is spent. Slot 0 is read for every request: its contents do not change the cost."""
+    `budget_s` is spent. Slot 0 is read for every request: its contents do not change the cost.
+    `agree(flag) -> bool`: under TP the forwards hold collectives, so every rank must stop after the
+    same point: the stop is true everywhere once it is true on one rank (spec_sync.RankSync.any)."""
     from ..models.dsv4_core import Segment
 
     start = max(0, min(start, cache.max_context_len - gamma - 2))
@@ -202,6 +205,7 @@ def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: flo
             if rep:
                 best = dt if best is None else min(best, dt)
         points.append((R, R * k, best))
-        if time.perf_counter() - t_begin > budget_s:
+        spent = time.perf_counter() - t_begin > budget_s
+        if agree(spent) if agree is not None else spent:
             break
     return CostModel.fit(points, source=f"measured at startup, {len(points)} points")

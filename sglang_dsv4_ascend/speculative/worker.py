@@ -27,6 +27,7 @@ from sglang.srt.speculative.eagle_info import EagleDraftInput
 from ..models.dspark import load_sts, sts_path
 from ..server_defaults import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
+from ..distributed.spec_sync import RankSync
 from .engine import NextNEngine, SpecEngine, check_tree_shape
 from .planner import CostModel, Planner, measure_cost, verify_mode
 from .stats import StageStats
@@ -116,8 +117,11 @@ class DSV4SpecWorker(BaseSpecWorker):
             self.model.capture_aux = {}
         self.engine = None
         self.stats = StageStats()
+        # Every TP rank runs this worker on the same batch; its decisions must agree
+        # (distributed/spec_sync.py says how each one does).
+        self.sync = RankSync.from_sglang()
         seed = getattr(server_args, "random_seed", None)
-        self.generator = torch.Generator().manual_seed(int(seed or 0))  # accept draws on the host
+        self.generator = torch.Generator().manual_seed(self.sync.seed(int(seed or 0)))  # accept draws on the host
 
     # -- what the scheduler reads ----------------------------------------------------------------
     @property
@@ -131,7 +135,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             return
         if self.algo != DSPARK_ALGO:
             self.engine = NextNEngine(self.model, self.cache, self.topk, self.num_steps, self.num_draft_tokens,
-                                      make_drafter, self.generator, device=self.device)
+                                      make_drafter, self.generator, device=self.device, sync=self.sync)
             logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
                         "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
                         self.engine.drafter.name)
@@ -142,11 +146,13 @@ class DSV4SpecWorker(BaseSpecWorker):
                 cost = CostModel.load(self.sps_table)
             else:
                 cost = measure_cost(self.model.model, self.cache, self.gamma,
-                                    max_requests=min(self.cache.num_slots, 16))
+                                    max_requests=min(self.cache.num_slots, 16), agree=self.sync.any)
+                cost = self.sync.broadcast(cost)  # timings differ per rank; rank 0's plans for all
             logger.info("dsv4_ascend DSpark verify cost model (%s): t = %.3g + %.3g*requests + %.3g*rows s",
                         cost.source, cost.c0, cost.c_req, cost.c_tok)
         planner = Planner(self.gamma, self.verify_mode, cost)
         self.engine = SpecEngine(self.model, self.cache, make_drafter, self.generator, self.device, planner=planner,
+                                 sync=self.sync,
                                  gamma=self.gamma, topk=1, num_steps=self.gamma, num_draft_tokens=self.gamma + 1)
         native = self.model.cfg.dspark_block_size
         logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "

@@ -127,10 +127,54 @@ def collect() -> dict:
     return report
 
 
+def ranks_report(ranks: int, ep: int = 1, model: str | None = None) -> dict:
+    """Each rank's coordinates under --tp-size `ranks` --ep-size `ep` (what the server logs at
+    startup) and why the model cannot take that layout, if it cannot. `model`: a checkpoint dir,
+    a published config name (flash / pro), or the shipped tiny model."""
+    from ..config import DSV4Config
+    from ..distributed.layout import Layout, layout_problems
+
+    if model in (None, "tiny"):
+        from .. import TINY_MODEL_PATH as model
+    if model in ("flash", "pro"):
+        from ..bench.cache import CONFIGS
+
+        raw = CONFIGS[model]
+    else:
+        with open(os.path.join(model, "config.json")) as f:
+            raw = json.load(f)
+    cfg = DSV4Config.from_hf(raw)
+    problems = layout_problems(cfg, ranks, ep)
+    lays = [] if problems else [Layout.for_flags(ranks, ep, tp_rank=r) for r in range(ranks)]
+    return {"model": model, "flags": f"--tp-size {ranks} --ep-size {ep}",
+            "ranks": [{"describe": x.describe(), "heads": [x.attn_tp_rank * cfg.num_attention_heads // ranks,
+                                                           (x.attn_tp_rank + 1) * cfg.num_attention_heads // ranks],
+                       "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop]}
+                      for x in lays],
+            "problems": problems, "ok": not problems}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Check a sglang-dsv4-ascend installation.")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="instead: each rank's coordinates under --tp-size RANKS (and --ep-size) for --model")
+    ap.add_argument("--ep-size", type=int, default=1, help="with --ranks: the MoE expert-parallel size")
+    ap.add_argument("--model", default=None, help="with --ranks: a checkpoint dir, flash, pro (default: the tiny model)")
     a = ap.parse_args(argv)
+    if a.ranks is not None:
+        r = ranks_report(a.ranks, a.ep_size, a.model)
+        if a.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"{r['model']}: {r['flags']}")
+            for x in r["ranks"]:
+                print(f"  {x['describe']}; heads [{x['heads'][0]}, {x['heads'][1]}), experts "
+                      f"[{x['experts'][0]}, {x['experts'][1]})")
+            for p in r["problems"]:
+                print(f"PROBLEM: {p}")
+            print("OK" if r["ok"] else "NOT OK")
+        return 0 if r["ok"] else 1
     r = collect()
     if a.json:
         print(json.dumps(r, indent=2))

@@ -32,7 +32,7 @@ RESOLVE = textwrap.dedent("""
                 "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
                 "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend", "disable_cuda_graph",
                 "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
-                "speculative_num_draft_tokens", "disable_overlap_schedule")}
+                "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size")}
                 | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
         except Exception as e:
             out.append({"error": f"{type(e).__name__}: {e}"})
@@ -59,6 +59,8 @@ def cpu_results(tiny_ckpt):
         "chunk_100": ["--chunked-prefill-size", "100"],
         "chunk_256": ["--chunked-prefill-size", "256"],
         "tp2": ["--tp-size", "2"],
+        "tp3": ["--tp-size", "3"],
+        "tp2_ep2": ["--tp-size", "2", "--ep-size", "2"],
         "pp2": ["--pp-size", "2"],
         "dp2": ["--dp-size", "2"],
         "dp_attention": ["--dp-size", "2", "--enable-dp-attention"],
@@ -114,11 +116,11 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
 @pytest.mark.parametrize("case,flag", [
     ("page_64", "--page-size 64: DeepSeek-V4 pages must be a multiple of 128"),
     ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
-    ("tp2", "--tp-size 2: tensor parallelism for DeepSeek-V4 is not implemented"),
+    ("tp3", "--tp-size 3: attention TP splits the 4 heads over the ranks"),
     ("pp2", "--pp-size 2:"),
-    ("dp2", "--dp-size 2: data parallelism"),
-    ("dp_attention", "--enable-dp-attention / --attn-dp-size 2: DP attention"),
-    ("ep2", "--ep-size 2: expert parallelism"),
+    ("dp2", "--dp-size 2 / --enable-dp-attention: DP attention for DeepSeek-V4"),
+    ("dp_attention", "--dp-size 2 / --enable-dp-attention: DP attention for DeepSeek-V4"),
+    ("ep2", "--ep-size 2: must divide --tp-size 1"),
     ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
     ("tokenizer_workers", "--tokenizer-worker-num 2:"),
     ("dspark_topk", "--speculative-eagle-topk 2: DSpark drafts a chain (topk 1)"),
@@ -132,6 +134,12 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
     r, _ = cpu_results
     assert flag in r[case].get("error", ""), r[case]
+
+
+def test_tensor_and_expert_parallel_layouts_resolve(cpu_results):
+    r, _ = cpu_results
+    assert "error" not in r["tp2"] and r["tp2"]["tp_size"] == 2, r["tp2"]
+    assert "error" not in r["tp2_ep2"] and r["tp2_ep2"]["ep_size"] == 2, r["tp2_ep2"]
 
 
 def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):

@@ -1,0 +1,164 @@
+"""Each rank's coordinates and what DeepSeek-V4 does with them.
+
+One `Layout` names a rank's place in every group the model uses, read once from SGLang's
+parallel state (`from_sglang`) or given explicitly (tests, `doctor --ranks`, `bench cache`):
+
+    attention TP  (attn_tp_rank / attn_tp_size): splits the q heads, the attention sinks and the
+                  grouped output projection (wo_a by whole groups, or with more ranks than groups
+                  each group's heads over tp / o_groups ranks; wo_b row-parallel + all-reduce);
+    MoE EP        (ep_rank / ep_size): each rank holds n_routed_experts / ep_size experts;
+    MoE TP        (moe_tp_rank / moe_tp_size = tp_size / ep_size): splits each local expert's
+                  intermediate dimension;
+    TP            (tp_rank / tp_size): splits the shared expert's intermediate dimension; the
+                  MoE partial sums (routed + shared) are reduced over this group.
+
+Replicated on every rank, and why:
+  * the single shared KV head (`wkv`, `kv_norm`), both compressors and the indexer: DeepSeek-V4
+    attention is MQA, so every head reads the same key rows, entries and top-k; splitting them
+    would only add an all-gather before every read. The caches are therefore the same size on
+    every rank (as SGLang's MLA caches under TP);
+  * `wq_a` / `q_norm` (the q latent feeds the indexer, which is replicated);
+  * mHC (hc_* tensors: a few KB per layer) and the norms;
+  * the router (gate weight, bias, tid2eid): routing is computed identically on every rank from
+    the same all-reduced input, so no rank ever needs another's routing;
+  * embedding and LM head: replicated (vocab-parallel would save 2 x vocab x d / tp per rank, about
+    1 GiB bf16 per rank for Flash at TP 16; not done yet);
+  * the draft models (NextN block, DSpark stages): every rank runs the whole draft on the same
+    replicated inputs, so drafts and the decisions made from them are identical by construction.
+
+With the all-reduced hidden state identical on every rank (a collective returns the same bits
+everywhere), everything after the last reduction of a forward is computed from identical inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp_rank: int = 0
+    tp_size: int = 1
+    attn_tp_rank: int = 0
+    attn_tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    moe_tp_rank: int = 0
+    moe_tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    global_rank: int = 0
+    world_size: int = 1
+    # Sum over the TP group, in place or not; identity on one rank. Not part of equality.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def sharded(self) -> bool:
+        return self.tp_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        if self.reduce is None:
+            raise RuntimeError(f"Layout {self.describe()}: no reduce function set for a sharded forward")
+        return self.reduce(x)
+
+    def experts(self, n_experts: int) -> range:
+        """The global ids of the routed experts this rank holds (contiguous)."""
+        per = n_experts // self.ep_size
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+    def describe(self) -> str:
+        return (f"rank {self.global_rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+                f"attn_tp {self.attn_tp_rank}/{self.attn_tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+                f"moe_ep {self.ep_rank}/{self.ep_size}, moe_tp {self.moe_tp_rank}/{self.moe_tp_size}")
+
+    @classmethod
+    def from_sglang(cls) -> "Layout":
+        """This process's coordinates from SGLang's parallel state (one rank when it has none)."""
+        try:
+            from sglang.srt.distributed import parallel_state as ps
+
+            tp = ps.get_tp_group()
+        except (AssertionError, ImportError, AttributeError):  # no groups: a single process
+            return cls()
+        if tp.world_size == 1:
+            return cls()
+        world = ps.get_world_group()
+        attn_tp = ps.get_attn_tensor_model_parallel_world_size()
+        return cls(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
+                   attn_tp_rank=ps.get_attn_tensor_model_parallel_rank(),
+                   attn_tp_size=attn_tp,
+                   ep_rank=ps.get_moe_expert_parallel_rank(), ep_size=ps.get_moe_expert_parallel_world_size(),
+                   moe_tp_rank=ps.get_moe_tensor_parallel_rank(), moe_tp_size=ps.get_moe_tensor_parallel_world_size(),
+                   dp_rank=tp.rank_in_group // attn_tp, dp_size=tp.world_size // attn_tp,
+                   global_rank=world.rank_in_group, world_size=world.world_size,
+                   reduce=tp.all_reduce)
+
+    @classmethod
+    def for_flags(cls, tp_size: int, ep_size: int = 1, dp_size: int = 1, tp_rank: int = 0) -> "Layout":
+        """The layout SGLang builds for `--tp-size/--ep-size/--dp-size` (DP attention: attention TP =
+        tp / dp), for rank `tp_rank`, without any process group (doctor, bench cache, tests)."""
+        moe_tp = tp_size // max(1, ep_size)
+        attn_tp = tp_size // max(1, dp_size)
+        return cls(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank % attn_tp, attn_tp_size=attn_tp,
+                   ep_rank=tp_rank // moe_tp, ep_size=ep_size, moe_tp_rank=tp_rank % moe_tp, moe_tp_size=moe_tp,
+                   dp_rank=tp_rank // attn_tp, dp_size=dp_size, global_rank=tp_rank, world_size=tp_size)
+
+
+def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enable_dp_attention: bool = False,
+                    draft: str | None = None) -> list[str]:
+    """Why DeepSeek-V4 `cfg` (a DSV4Config or HF config) cannot be split as the flags ask, one
+    message per problem, each naming the flag and the supported values."""
+    out = []
+    H, G = cfg.num_attention_heads, cfg.o_groups
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    shared = inter * (cfg.n_shared_experts or 0)
+
+    def divisors(n, limit=64):
+        return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
+
+    if dp_size > 1 or enable_dp_attention:
+        out.append(f"--dp-size {dp_size} / --enable-dp-attention: DP attention for DeepSeek-V4 (each DP rank's own "
+                   "requests, tokens exchanged with the MoE layout) is not implemented in sglang-dsv4-ascend yet; "
+                   "supported: --dp-size 1 without --enable-dp-attention, with --tp-size and --ep-size")
+    if tp_size < 1:
+        return out + [f"--tp-size {tp_size}: must be >= 1"]
+    def attn_fits(k):
+        return H % k == 0 and (G % k == 0 or k % G == 0)
+
+    if not attn_fits(tp_size):
+        out.append(f"--tp-size {tp_size}: attention TP splits the {H} heads over the ranks with each output group "
+                   f"(o_groups {G}) on whole ranks or split evenly over several; it must divide {H} and divide or be "
+                   f"a multiple of {G}; supported: {[k for k in divisors(H) if attn_fits(k)]}")
+    if ep_size < 1 or tp_size % ep_size:
+        out.append(f"--ep-size {ep_size}: must divide --tp-size {tp_size} (SGLang's MoE EP group lives inside "
+                   f"the TP group); supported: {divisors(tp_size)}")
+    elif E % ep_size:
+        out.append(f"--ep-size {ep_size}: {E} routed experts cannot be split evenly over {ep_size} ranks; "
+                   f"supported: {[k for k in divisors(E) if tp_size % k == 0]}")
+    else:
+        moe_tp = tp_size // ep_size
+        if inter % moe_tp:
+            out.append(f"--tp-size {tp_size} --ep-size {ep_size}: each expert's intermediate size {inter} is split "
+                       f"over tp/ep = {moe_tp} ranks and must be divisible; raise --ep-size")
+    if shared and shared % tp_size:
+        out.append(f"--tp-size {tp_size}: the shared expert's intermediate size {shared} must be divisible by it")
+    return out
+
+
+_LOGGED: set = set()
+
+
+def log_layout(layout: Layout, what: str = "DeepSeek-V4") -> None:
+    """Once per process: where this rank sits and what it holds."""
+    key = (what, layout.describe())
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("dsv4_ascend %s layout: %s", what, layout.describe())

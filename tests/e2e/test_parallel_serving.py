@@ -1,0 +1,120 @@
+"""DeepSeek-V4 across ranks through real SGLang servers on CPU (gloo), fp32, with SGLang's own flags:
+`--tp-size 2` and `--tp-size 2 --ep-size 2` give the one-rank greedy output token for token (single
+and concurrent requests, a prompt across C4 / C128 boundaries); NextN chain, NextN tree and DSpark
+adaptive on the trained tiny model under `--tp-size 2` give the no-speculation output with drafts
+really accepted, and the cross-rank decision check (SGLANG_DSV4_SPEC_SYNC_CHECK) stays silent
+over greedy and sampled requests, while a rank whose accept seed is offset is caught by it.
+Layouts the model cannot take are refused at startup, naming the flag."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prompts import load_prompts
+
+import sglang_dsv4_ascend as pkg
+from sglang_dsv4_ascend.bench import headline
+from sglang_dsv4_ascend.distributed.spec_sync import CHECK_ENV, DESYNC_ENV
+from sglang_dsv4_ascend.tools.server import ServerFailed, SGLangServer
+from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 16
+TP2 = ("--tp-size", "2")
+DESYNC_MARK = "speculative decisions differ across TP ranks"
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("tp") / "flash"), "flash", "dspark")
+
+
+@pytest.fixture(scope="module")
+def flash_prompts(flash):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(flash)
+    ids = [tok(t).input_ids[:200] for t in load_prompts("gsm8k", 2) + load_prompts("humaneval", 1)]
+    long = tok(" ".join(load_prompts("gsm8k", 6, max_chars=2000))).input_ids[:300]  # 2 C128 blocks, 75 C4
+    assert len(long) == 300
+    return ids + [long]
+
+
+def _run(srv, prompts, n=N_NEW, **sampling):
+    """Each prompt alone, then all at once."""
+    single = [srv.generate(p, n, ignore_eos=True, **sampling) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        together = list(ex.map(lambda p: srv.generate(p, n, ignore_eos=True, **sampling), prompts))
+    return single, together
+
+
+def _ids(outs):
+    return [o["output_ids"] for o in outs]
+
+
+def test_tp2_and_ep2_equal_one_rank(start_server, flash, flash_prompts):
+    ref = start_server(flash)
+    want = _ids(_run(ref, flash_prompts)[0])
+    ref.stop()
+    for flags, holds in [(TP2, "moe_tp 1/2"), (TP2 + ("--ep-size", "2"), "moe_ep 1/2")]:
+        srv = start_server(flash, *flags)
+        single, together = _run(srv, flash_prompts)
+        assert _ids(single) == want, flags
+        assert _ids(together) == want, flags
+        log = srv.log_text()
+        assert "dsv4_ascend DeepSeek-V4 layout: rank 1/2" in log and holds in log, flags
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
+    return [tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 3, max_chars=None)]
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat):
+    with SGLangServer(pkg.TINY_MODEL_PATH, *headline.POOL) as srv:
+        return _ids(_run(srv, chat)[0])
+
+
+@pytest.mark.parametrize("method", ["nextn_chain", "nextn_tree2", "dspark_adaptive"])
+def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, chat_reference, method):
+    path, env, flags = headline.METHODS[method]
+    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1"})
+    single, together = _run(srv, chat)
+    assert _ids(single) == chat_reference
+    assert _ids(together) == chat_reference
+    accepted = sum(sum(k * n for k, n in enumerate(o["meta_info"]["spec_correct_drafts_histogram"]))
+                   for o in single)
+    assert accepted > len(chat) * 4, f"{method}: only {accepted} drafts accepted; the check saw no commits"
+    # sampled requests: rejection draws on every rank, and the check stays silent
+    sampled, _ = _run(srv, chat, temperature=1.0, top_p=0.95)
+    assert all(len(o["output_ids"]) == N_NEW for o in sampled)
+    assert srv.get("/health")[0] == 200
+    assert DESYNC_MARK not in srv.log_text()
+
+
+def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
+    path, env, flags = headline.METHODS["nextn_chain"]
+    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
+    with pytest.raises(Exception):
+        for p in chat:
+            srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)
+    log = srv.log_text()
+    assert DESYNC_MARK in log and "rank 0" in log and "rank 1" in log and "at round" in log
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (("--tp-size", "3"), "--tp-size 3"),  # 4 heads
+    (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
+    (("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"), "--dp-size 2"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_by_flag(flash, flags, flag):
+    with pytest.raises(ServerFailed) as err:
+        SGLangServer(flash, *flags, startup_timeout=120).start()
+    assert flag in str(err.value), str(err.value)[-2000:]

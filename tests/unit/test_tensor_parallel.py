@@ -1,0 +1,165 @@
+"""DeepSeek-V4 split over ranks (distributed/): two processes over gloo, each holding its layout's
+heads, groups, experts and shared-expert slice, run the same random schedule (prefill chunks
+across C4 / C128 / window boundaries, decode, speculative verify with deferred partial writes) and
+their logits equal the one-rank model's within fp32 tolerance, under TP 2 (MoE-TP 2) and TP 2 /
+EP 2, batched and per-segment. Every rank returns the same bits (the head is replicated after the
+last all-reduce). A rank that takes its neighbour's wo_b columns is caught. Plus the layout
+arithmetic, the startup checks that name the flags, and the speculative sync check's helpers."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
+from sglang_dsv4_ascend.distributed.sharding import SKIP, shard
+from sglang_dsv4_ascend.distributed.spec_sync import RankSync, first_difference
+from test_batched_forward import _random_schedule, _run
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _rank_main(rank, world, init_file, ckpt, tp, ep, impl, seed, out_dir, broken):
+    from sglang_dsv4_ascend.models import weights
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+    def reduce(x):
+        dist.all_reduce(x)
+        return x
+
+    layout = dataclasses.replace(Layout.for_flags(tp, ep, tp_rank=rank), reduce=reduce)
+    if broken:  # this rank's wo_b columns come from the other rank: the partial sums no longer match
+        other = dataclasses.replace(layout, attn_tp_rank=1 - layout.attn_tp_rank)
+        orig = weights.shard
+        weights.shard = lambda n, t, lay, e, g: orig(n, t, other if n.endswith("wo_b.weight") else lay, e, g)
+    model = load_model_from_dir(ckpt, layout=layout)
+    batches, ctx = _random_schedule(seed, model.cfg.vocab_size)
+    logits = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, impl)
+    torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _on_ranks(tmp_path, ckpt, tp, ep, impl, seed, broken=False):
+    init = tmp_path / f"init-{tp}-{ep}-{impl}-{seed}-{broken}"
+    mp.spawn(_rank_main, args=(tp, str(init), ckpt, tp, ep, impl, seed, str(tmp_path), broken), nprocs=tp, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
+
+
+# (4, 1): more ranks than the 2 output groups, so two ranks share each group; MoE-TP 4
+@pytest.mark.parametrize("tp,ep,impl,seed", [(2, 1, "batched", 1), (2, 2, "batched", 2), (2, 2, "segments", 3),
+                                             (4, 1, "batched", 4)])
+def test_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, tp, ep, impl, seed):
+    model = dsv4_model("flash")
+    batches, ctx = _random_schedule(seed, model.cfg.vocab_size)
+    want = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, impl)
+    ranks = _on_ranks(tmp_path, tiny_ckpt("flash"), tp, ep, impl, seed)
+    for i, w in enumerate(want):
+        assert all(torch.equal(r[i], ranks[0][i]) for r in ranks), f"forward {i}: the ranks' logits differ"
+        torch.testing.assert_close(ranks[0][i], w, **TOL, msg=lambda m: f"forward {i}: {m}")
+
+
+def test_neighbour_wo_b_columns_are_caught(tmp_path, tiny_ckpt, dsv4_model):
+    model = dsv4_model("flash")
+    batches, ctx = _random_schedule(1, model.cfg.vocab_size)
+    want = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, "batched")
+    r0, _ = _on_ranks(tmp_path, tiny_ckpt("flash"), 2, 1, "batched", 1, broken=True)
+    assert max(float((a - w).abs().max()) for a, w in zip(r0, want)) > 1e-2
+
+
+def test_shards_cover_each_tensor_once(dsv4_model):
+    """Over the ranks of a layout, the split tensors tile the released ones and each expert lives on
+    exactly one EP rank (checked by reassembling them)."""
+    model = dsv4_model("flash")
+    sd = {k: v for k, v in model.state_dict().items()}
+    E = model.cfg.n_routed_experts
+    G = model.cfg.o_groups
+    for tp, ep in [(2, 1), (2, 2), (4, 1), (4, 4)]:
+        parts = [{n: shard(n, t, Layout.for_flags(tp, ep, tp_rank=r), E, model.cfg.o_groups) for n, t in sd.items()}
+                 for r in range(tp)]
+        owners = {n: [r for r in range(tp) if parts[r][n] is not SKIP] for n in sd}
+        for n, t in sd.items():
+            got = [parts[r][n] for r in owners[n]]
+            if ".experts." in n:
+                moe_tp = tp // ep
+                assert len(got) == moe_tp, n
+            if all(g is t for g in got):
+                continue  # replicated
+            if n.endswith("wo_b.weight") and tp > G:  # ranks sharing a group hold its columns each
+                got = got[:: tp // G]
+            if n.endswith("wo_a.weight") and tp > G:  # a group's rows, its heads' columns split
+                s = tp // G
+                got = [torch.cat(got[g * s:(g + 1) * s], 1) for g in range(G)]
+            dim = 1 if n.endswith(("wo_b.weight", "w2.weight")) else 0
+            torch.testing.assert_close(torch.cat(got, dim), t, msg=n)
+
+
+def test_layout_coordinates_follow_sglang():
+    # tp 4, ep 2: MoE-TP 2; ranks 0,1 hold the first half of the experts.
+    lays = [Layout.for_flags(4, 2, tp_rank=r) for r in range(4)]
+    assert [(x.ep_rank, x.moe_tp_rank) for x in lays] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert lays[3].experts(8) == range(4, 8)
+    assert Layout().all_reduce(t := torch.ones(2)) is t
+    with pytest.raises(RuntimeError, match="no reduce function"):
+        lays[0].all_reduce(torch.ones(2))
+
+
+def test_layout_problems_name_the_flags(dsv4_model):
+    cfg = dsv4_model("flash").cfg  # 4 heads, 2 output groups, 8 experts, inter 32
+    assert layout_problems(cfg, 2, 1) == [] and layout_problems(cfg, 2, 2) == []
+    assert layout_problems(cfg, 4, 1) == []  # two ranks per output group
+    msg = layout_problems(cfg, 3, 1)[0]
+    assert msg.startswith("--tp-size 3") and "o_groups 2" in msg and "[1, 2, 4]" in msg
+    msgs = layout_problems(dataclasses.replace(cfg, num_attention_heads=6, o_groups=6), 6, 3)
+    assert any(m.startswith("--ep-size 3") and "8 routed experts" in m for m in msgs), msgs
+    assert any(m.startswith("--ep-size 3") for m in layout_problems(cfg, 2, 3))
+    assert any(m.startswith("--dp-size 2") for m in layout_problems(cfg, 2, 1, dp_size=2))
+
+
+def test_rank_sync_helpers(monkeypatch):
+    same = {"accept_lens": [2, 1], "paths": [[0, 1], [0]]}
+    assert first_difference([same, dict(same)]) is None
+    assert first_difference([same, {**same, "accept_lens": [2, 2]}]) == ("accept_lens", 0, 1)
+    monkeypatch.setenv("SGLANG_DSV4_DEBUG_DESYNC_RANK", "1")
+    assert RankSync(rank=1, size=2).seed(7) == 8 and RankSync(rank=0, size=2).seed(7) == 7
+    one = RankSync()
+    assert one.any(True) and not one.any(False) and one.broadcast("x") == "x"
+    one.check({"a": 1})  # one rank: nothing to compare
+
+
+def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
+    from sglang_dsv4_ascend.tools import doctor
+
+    assert doctor.main(["--ranks", "2", "--ep-size", "2", "--json"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)
+    assert [x["experts"] for x in r["ranks"]] == [[0, 4], [4, 8]] and [x["heads"] for x in r["ranks"]] == [[0, 2], [2, 4]]
+    assert doctor.main(["--ranks", "3"]) == 1
+    assert "PROBLEM: --tp-size 3" in capsys.readouterr().out
+
+
+def test_bench_cache_per_rank_share():
+    from sglang_dsv4_ascend.bench.cache import CONFIGS, per_rank
+    from sglang_dsv4_ascend.config import DSV4Config
+    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+
+    whole = DSV4Model(DSV4Config.from_hf(CONFIGS["flash"]), dtype=torch.bfloat16, device="meta")
+    total = sum(p.numel() * p.element_size() for p in whole.parameters()) + sum(
+        b.numel() * b.element_size() for b in whole.buffers())
+    one = per_rank("flash", 1, 1, torch.bfloat16)
+    assert one["weights_gb"]["float"] == round(total / 1e9, 2)
+    assert one["sent_bytes_per_decode_token"]["attention_all_reduce"] == 0
+    r16 = per_rank("flash", 16, 16, torch.bfloat16)
+    assert r16["experts_per_rank"] == 16 and r16["heads_per_rank"] == 4
+    # experts and heads split 16 ways; embedding, head, router, KV path replicated
+    assert total / 16 < r16["weights_gb"]["float"] * 1e9 < total / 4
+    assert r16["cache_bytes_per_token"] == one["cache_bytes_per_token"]  # one shared KV head: replicated
+    with pytest.raises(ValueError, match="--ep-size 3"):
+        per_rank("flash", 16, 3, torch.bfloat16)
