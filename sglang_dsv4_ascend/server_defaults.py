@@ -90,9 +90,10 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
         from .distributed.layout import layout_problems
 
         out += layout_problems(hf, cfg.tp_size, cfg.ep_size)
-        need(cfg.quantization != "w8a8_ascend",
-             f"--quantization w8a8_ascend with --tp-size {cfg.tp_size}: W8A8 weights are not split over ranks "
-             "yet; serve the W8A8 checkpoint with --tp-size 1, or the float checkpoint with tensor parallelism")
+        need(cfg.quantization != "w8a8_ascend" or cfg.ep_size == cfg.tp_size,
+             f"--quantization w8a8_ascend with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
+             f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "
+             f"activation scale); use --ep-size {cfg.tp_size}")
     need(cfg.kv_cache_dtype == "auto",
          f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
          "dtype; supported: auto")

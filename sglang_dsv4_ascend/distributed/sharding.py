@@ -26,12 +26,40 @@ _SHARED = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.(w[123])\.weight$")
 SKIP = object()  # a tensor another rank holds
 
 
-def _part(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    n = t.shape[dim]
+def _part(t, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Part `rank` of `size` along `dim` of a tensor (a view) or of a safetensors slice (read from
+    the file: only that part)."""
+    n = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[dim]
     if n % size:
         raise ValueError(f"dimension {dim} of size {n} cannot be split over {size} ranks")
     step = n // size
-    return t.narrow(dim, rank * step, step)
+    return t[(slice(None),) * dim + (slice(rank * step, (rank + 1) * step),)]
+
+
+def read_rank_part(path: str, layout: Layout, n_experts: int, n_groups: int, skip=None):
+    """(name, this rank's part, file) for every tensor of a safetensors checkpoint dir, reading
+    only that part from disk: a split tensor by slice, another rank's expert not at all. The
+    loader is told the parts are already cut (`presliced`)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
+                part = shard(name, f.get_slice(name), layout, n_experts, n_groups)
+                if part is SKIP:
+                    continue
+                yield name, (part if isinstance(part, torch.Tensor) else part[:]), fname
 
 
 def shard(name: str, t: torch.Tensor, layout: Layout, n_experts: int, n_groups: int):

@@ -81,14 +81,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.sglang_capture_ids = tuple(layer_ids or ())
 
     def load_weights(self, weights):
-        source = _weight_files(getattr(self.config, "_name_or_path", None))
+        path = getattr(self.config, "_name_or_path", None)
+        source = _weight_files(path)
+        presliced = (self.layout.sharded and self.quant_description is None and bool(path) and os.path.isdir(path)
+                     and any(f.endswith(".safetensors") for f in os.listdir(path)))
+        if presliced:
+            # Each rank reads only its part of the checkpoint; SGLang's iterator, which would read
+            # every tensor whole on every rank, is left unread.
+            from ..distributed.sharding import read_rank_part
+
+            weights = read_rank_part(path, self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
         draft = []
         if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
             weights = _divert(weights, NEXTN_PREFIX, draft)
         elif self.dspark is not None:
             weights = _divert(weights, DSPARK_PREFIX, draft)
         if self.quant_description is None:
-            load_released_weights(self.model, weights, source=source)
+            load_released_weights(self.model, weights, source=source, presliced=presliced)
         else:
             from ..quantization.w8a8 import load_w8a8_weights
 

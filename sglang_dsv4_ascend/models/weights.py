@@ -50,14 +50,16 @@ def is_ignored(name: str) -> bool:
     return name.startswith("mtp.")
 
 
-def load_released_weights(model: DSV4Model, weights: Iterable, source=None, prefix: str = "") -> None:
+def load_released_weights(model: DSV4Model, weights: Iterable, source=None, prefix: str = "",
+                          presliced: bool = False) -> None:
     """Copy released tensors into `model`.
 
     weights: (name, tensor) or (name, tensor, file) items. source: a file/dir name for all tensors,
     or a {name: file} dict, used in error messages. `prefix`: load only the tensors under it (a
     draft module: "mtp.0."), named without it in `model`; by default the trunk, without `mtp.*`.
     A sharded model (`model.layout`, distributed/) takes its slice of each split tensor and skips
-    the experts another rank holds.
+    the experts another rank holds (`presliced`: the items are already this rank's parts, as
+    `distributed.sharding.read_rank_part` reads them).
     Raises ValueError on a missing, unexpected, mis-shaped or quantized tensor, or an out-of-range
     tid2eid table."""
     targets = {prefix + k: v for k, v in model.state_dict(keep_vars=True).items()}
@@ -80,7 +82,7 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
                              "with --quantization w8a8_ascend")
         if tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK:
             raise _dtype_error(name, tensor.dtype, file)
-        if layout is not None and layout.sharded:  # this rank's slice, or another rank's tensor
+        if layout is not None and layout.sharded and not presliced:  # this rank's slice, or another rank's
             shape = tuple(tensor.shape)
             try:
                 tensor = shard(name, tensor, layout, model.cfg.n_routed_experts, model.cfg.o_groups)

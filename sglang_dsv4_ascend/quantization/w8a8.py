@@ -45,6 +45,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..distributed.sharding import SKIP, _part, shard
 from ..ops import quant as Q
 
 DESCRIPTION_FILE = "quant_model_description.json"
@@ -264,9 +265,10 @@ class W8A8Experts(nn.Module):
     w2_weight int8 [E, d, I], w2_weight_scale [E, d]. forward runs `ops.quant.moe_w8a8`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, limit: float, *, name: str = "",
-                 scale_dtype=torch.float32, family: Optional[str] = None, device=None):
+                 scale_dtype=torch.float32, family: Optional[str] = None, device=None, first: int = 0):
         super().__init__()
         self.num_experts, self.hidden, self.inter, self.limit, self.name = num_experts, hidden, inter, limit, name
+        self.first = first  # global id of the first expert held here (expert parallel: this rank's range)
         self.kernels = Q.kernels(family)
         E, d, I = num_experts, hidden, inter
         self.register_buffer("w13_weight", torch.zeros(E, 2 * I, d, dtype=torch.int8, device=device))
@@ -277,13 +279,15 @@ class W8A8Experts(nn.Module):
         self._prepared = False
 
     def required_names(self) -> list:
-        return [f"{self.name}.{e}.{p}.{s}" for e in range(self.num_experts) for p in ("w1", "w2", "w3")
+        return [f"{self.name}.{e}.{p}.{s}" for e in range(self.first, self.first + self.num_experts) for p in ("w1", "w2", "w3")
                 for s in ("weight", "weight_scale")]
 
     def load_tensor(self, e: int, proj: str, suffix: str, t: torch.Tensor, full_name: str) -> None:
         E, d, I = self.num_experts, self.hidden, self.inter
-        if not 0 <= e < E:
-            raise W8A8Error(f"tensor {full_name!r}: expert {e} does not exist (n_routed_experts={E})")
+        if not 0 <= e - self.first < E:
+            raise W8A8Error(f"tensor {full_name!r}: expert {e} is not held here (experts {self.first}.."
+                            f"{self.first + E - 1})")
+        e -= self.first
         n, k = (d, I) if proj == "w2" else (I, d)
         rows = slice(0, I) if proj == "w1" else slice(I, 2 * I) if proj == "w3" else slice(0, d)
         w, s = (self.w2_weight, self.w2_weight_scale) if proj == "w2" else (self.w13_weight, self.w13_weight_scale)
@@ -323,18 +327,29 @@ class W8A8MoE(nn.Module):
     (`shared_experts`, whose linears may themselves be W8A8Linear) are kept; routed experts run the
     grouped W8A8 chain. Same call signature and output as `layers.moe.MoE`."""
 
-    def __init__(self, moe: nn.Module, experts: W8A8Experts):
+    def __init__(self, moe: nn.Module, experts: W8A8Experts, shared_replicated: bool = False):
         super().__init__()
         self.gate = moe.gate
         self.experts = experts
         self.shared_experts = moe.shared_experts
+        # Across ranks (distributed/): this rank's experts; copies routed elsewhere get weight 0 on a
+        # local expert (the rank holding theirs adds them). A W8A8 shared expert is replicated (its
+        # per-token activation scale must see the whole intermediate dimension) and added by rank 0.
+        self.layout = getattr(moe, "layout", None)
+        self.local = range(experts.first, experts.first + experts.num_experts)
+        self.shared_replicated = shared_replicated
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(y, input_ids)
+        sharded = self.layout is not None and self.layout.sharded
+        if sharded:
+            local = ids - self.experts.first
+            here = (local >= 0) & (local < self.experts.num_experts)
+            ids, weights = torch.where(here, local, 0), torch.where(here, weights, 0.0)
         out = self.experts(y, ids, weights)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not (self.shared_replicated and self.layout.tp_rank != 0):
             out += self.shared_experts(y).float()
-        return out.to(y.dtype)
+        return (self.layout.all_reduce(out) if sharded else out).to(y.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,6 +370,14 @@ def _model_desc(model) -> str:
             f"{list(c.compress_ratios)})") if c is not None else ""
 
 
+def _local_experts(model: nn.Module, ffn: str, e: int = 0) -> range:
+    """The routed experts `model` holds in MoE layer `ffn` (all of them on one rank)."""
+    moe = _owner(model, ffn)
+    if moe is None:
+        return range(e, e + 1)  # reported as a missing module by the caller
+    return moe.local if hasattr(moe, "local") else range(len(moe.experts))
+
+
 def plan_quantization(model: nn.Module, desc: dict) -> dict:
     """Validate a description against `model`; returns {"dense": {prefix: scheme}, "moe": {ffn prefix:
     scheme}}. Raises W8A8Error naming the entry for anything the model lacks or cannot quantize."""
@@ -368,6 +391,9 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
         m = _EXPERT.match(prefix + ".weight")
         if m:
             ffn, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if e not in _local_experts(model, ffn, e):
+                expert_entries.setdefault(ffn, {})
+                continue  # another EP rank's expert
             if not _has_module(model, f"{ffn}.experts.{e}.{proj}"):
                 raise W8A8Error(f"{DESCRIPTION_FILE} names {prefix + '.weight'!r} ({scheme}) but the model has no "
                                 f"module {prefix!r}{_model_desc(model)}")
@@ -384,8 +410,7 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
             raise W8A8Error(f"{DESCRIPTION_FILE}: {prefix!r} is not a linear layer")
         dense[prefix] = scheme
     for ffn, got in expert_entries.items():
-        E = len(model.get_submodule(f"{ffn}.experts"))
-        want = {(e, p) for e in range(E) for p in ("w1", "w2", "w3")}
+        want = {(e, p) for e in _local_experts(model, ffn) for p in ("w1", "w2", "w3")}
         missing = sorted(want - set(got))
         if missing:
             shown = ", ".join(f"{ffn}.experts.{e}.{p}.weight" for e, p in missing[:4])
@@ -421,19 +446,35 @@ def apply_quant_description(model: nn.Module, desc: dict, *, family: Optional[st
     dev = next(model.parameters()).device
     param_dtype = getattr(model, "dtype", torch.bfloat16)
     param_dtype = param_dtype if param_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    layout = getattr(model, "layout", None)
+    sharded = layout is not None and layout.sharded
+    replicated_shared = set()
     for prefix, scheme in plan["dense"].items():
         parent_name, _, attr = prefix.rpartition(".")
         old = model.get_submodule(prefix)
-        new = W8A8Linear(old.in_features, old.out_features, scheme, name=prefix, param_dtype=param_dtype,
+        n_in, n_out = old.in_features, old.out_features
+        if sharded and prefix.endswith("attn.wo_b"):
+            raise W8A8Error(f"{DESCRIPTION_FILE} declares {prefix + '.weight'!r} as {scheme}: under --tp-size "
+                            f"{layout.tp_size} wo_b is split by its input columns, which a W8A8 activation scale "
+                            "cannot follow; serve this checkpoint with --tp-size 1 (ModelSlim's V4 recipe keeps wo_b float)")
+        if sharded and ".shared_experts." in prefix:  # replicated whole (see W8A8MoE)
+            full = model.cfg.moe_intermediate_size * model.cfg.n_shared_experts
+            n_in, n_out = (full, n_out) if attr == "w2" else (n_in, full)
+            replicated_shared.add(parent_name.rpartition(".")[0])
+        new = W8A8Linear(n_in, n_out, scheme, name=prefix, param_dtype=param_dtype,
                          scale_dtype=scale_dtype, family=family, device=dev)
         setattr(model.get_submodule(parent_name), attr, new)
     for ffn in plan["moe"]:
         parent_name, _, attr = ffn.rpartition(".")
         moe = model.get_submodule(ffn)
+        if sharded and layout.moe_tp_size != 1:
+            raise W8A8Error(f"W8A8 routed experts under --tp-size {layout.tp_size} need --ep-size {layout.tp_size}: "
+                            "splitting an expert's intermediate dimension would change its per-token activation scale")
         first = next(iter(moe.experts.values()))
         experts = W8A8Experts(len(moe.experts), first.w1.in_features, first.w1.out_features, first.limit,
-                              name=f"{ffn}.experts", scale_dtype=scale_dtype, family=family, device=dev)
-        setattr(model.get_submodule(parent_name), attr, W8A8MoE(moe, experts))
+                              name=f"{ffn}.experts", scale_dtype=scale_dtype, family=family, device=dev,
+                              first=getattr(moe, "local", range(1)).start)
+        setattr(model.get_submodule(parent_name), attr, W8A8MoE(moe, experts, shared_replicated=ffn in replicated_shared))
     return plan
 
 
@@ -452,6 +493,8 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
     entries = tensor_entries(desc)
     state = model.state_dict(keep_vars=True)
     loaded = set()
+    layout = getattr(model, "layout", None)
+    sharded = layout is not None and layout.sharded
 
     def where(file):
         return f" (file {file})" if file else (f" (in {source})" if isinstance(source, str) else "")
@@ -464,6 +507,10 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
                 continue
             declared = entries.get(name, FLOAT)
             m = _EXPERT.match(name)
+            if sharded:
+                t = _rank_part(model, name, t, m, layout)
+                if t is SKIP:
+                    continue
             if m:
                 moe = _owner(model, m.group(1))
                 if isinstance(moe, W8A8MoE):
@@ -539,6 +586,21 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
         Q.plan_int8_methods(device, shapes)
 
 
+def _rank_part(model, name, t, expert_match, layout):
+    """This rank's part of a ModelSlim tensor: another EP rank's expert is SKIP; a W8A8 layer split
+    by rows (attention wq_b) keeps its rows of the weight and of every per-row vector; a W8A8
+    shared expert is whole (replicated); float tensors follow the float rules (sharding.shard)."""
+    if expert_match is not None:
+        return t if int(expert_match.group(2)) in _local_experts(model, expert_match.group(1)) else SKIP
+    prefix, _, suffix = name.rpartition(".")
+    owner = _owner(model, prefix)
+    if isinstance(owner, W8A8Linear):
+        if prefix.endswith("attn.wq_b") and suffix not in ("input_scale", "input_offset"):
+            return _part(t, 0, layout.attn_tp_rank, layout.attn_tp_size)
+        return t
+    return shard(name, t, layout, model.cfg.n_routed_experts, model.cfg.o_groups)
+
+
 def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[dict] = None,
                                family: Optional[str] = None, scale_dtype=torch.float32) -> dict:
     """Swap `model`'s layers per the checkpoint's quant_model_description.json and load all its
@@ -552,14 +614,15 @@ def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[di
 
 
 def load_w8a8_model_from_dir(path: str, dtype: torch.dtype = torch.bfloat16, device=None,
-                             family: Optional[str] = None, scale_dtype=torch.float32):
-    """config.json + ModelSlim safetensors -> an eval-mode DSV4Model with W8A8 modules."""
+                             family: Optional[str] = None, scale_dtype=torch.float32, layout=None):
+    """config.json + ModelSlim safetensors -> an eval-mode DSV4Model with W8A8 modules (this rank's
+    part under `layout`)."""
     from ..config import DSV4Config
     from ..models.dsv4_core import DSV4Model
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = DSV4Config.from_hf(json.load(f))
-    model = DSV4Model(cfg, dtype=dtype, device=device)
+    model = DSV4Model(cfg, dtype=dtype, device=device, layout=layout)
     apply_modelslim_checkpoint(model, path, family=family, scale_dtype=scale_dtype)
     return model.eval()
 
