@@ -391,7 +391,8 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
         m = _EXPERT.match(prefix + ".weight")
         if m:
             ffn, e, proj = m.group(1), int(m.group(2)), m.group(3)
-            if e not in _local_experts(model, ffn, e):
+            cfg = getattr(model, "cfg", None)
+            if e not in _local_experts(model, ffn, e) and cfg is not None and e < cfg.n_routed_experts:
                 expert_entries.setdefault(ffn, {})
                 continue  # another EP rank's expert
             if not _has_module(model, f"{ffn}.experts.{e}.{proj}"):
