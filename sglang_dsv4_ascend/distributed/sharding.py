@@ -36,30 +36,16 @@ def _part(t, dim: int, rank: int, size: int) -> torch.Tensor:
     return t[(slice(None),) * dim + (slice(rank * step, (rank + 1) * step),)]
 
 
-def read_rank_part(path: str, layout: Layout, n_experts: int, n_groups: int, skip=None):
-    """(name, this rank's part, file) for every tensor of a safetensors checkpoint dir, reading
-    only that part from disk: a split tensor by slice, another rank's expert not at all. The
-    loader is told the parts are already cut (`presliced`)."""
-    import json
-    import os
+def rank_part(layout: Layout, n_experts: int, n_groups: int):
+    """For `models.weights.iter_checkpoint(part=...)`: (name, safetensors slice) -> this rank's part
+    read from the file (a split tensor by slice, a replicated one whole), or SKIP for another
+    rank's expert, which is then never read. The loader is told the parts are already cut
+    (`presliced`)."""
+    def take(name, sl):
+        part = shard(name, sl, layout, n_experts, n_groups)
+        return part if part is SKIP or isinstance(part, torch.Tensor) else part[:]
 
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="pt") as f:
-            for name in f.keys():
-                if skip is not None and skip(name):
-                    continue
-                part = shard(name, f.get_slice(name), layout, n_experts, n_groups)
-                if part is SKIP:
-                    continue
-                yield name, (part if isinstance(part, torch.Tensor) else part[:]), fname
+    return take
 
 
 def shard(name: str, t: torch.Tensor, layout: Layout, n_experts: int, n_groups: int):

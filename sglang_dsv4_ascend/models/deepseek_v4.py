@@ -88,9 +88,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         if presliced:
             # Each rank reads only its part of the checkpoint; SGLang's iterator, which would read
             # every tensor whole on every rank, is left unread.
-            from ..distributed.sharding import read_rank_part
+            from ..distributed.sharding import rank_part
+            from .weights import iter_checkpoint
 
-            weights = read_rank_part(path, self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
+            weights = iter_checkpoint(path, skip=None,
+                                      part=rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups))
         draft = []
         if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
             weights = _divert(weights, NEXTN_PREFIX, draft)

@@ -59,7 +59,7 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
     draft module: "mtp.0."), named without it in `model`; by default the trunk, without `mtp.*`.
     A sharded model (`model.layout`, distributed/) takes its slice of each split tensor and skips
     the experts another rank holds (`presliced`: the items are already this rank's parts, as
-    `distributed.sharding.read_rank_part` reads them).
+    `iter_checkpoint(part=distributed.sharding.rank_part(...))` reads them).
     Raises ValueError on a missing, unexpected, mis-shaped or quantized tensor, or an out-of-range
     tid2eid table."""
     targets = {prefix + k: v for k, v in model.state_dict(keep_vars=True).items()}
@@ -137,15 +137,20 @@ def _safetensor_files(path: str) -> list:
     return files
 
 
-def iter_checkpoint(path: str, skip=is_ignored):
-    """(name, tensor, file) for every tensor of a checkpoint dir; `skip`ped names are not read."""
+def iter_checkpoint(path: str, skip=is_ignored, part=None):
+    """(name, tensor, file) for every tensor of a checkpoint dir; `skip`ped names are not read.
+    `part(name, safetensors slice)`: what to read of each tensor (a tensor, or SKIP to read
+    nothing; `distributed.sharding.rank_part`); whole tensors by default."""
     from safetensors import safe_open
 
     for fname in _safetensor_files(path):
         with safe_open(os.path.join(path, fname), framework="pt") as f:
             for name in f.keys():
-                if not skip(name):
-                    yield name, f.get_tensor(name), fname
+                if skip is not None and skip(name):
+                    continue
+                t = f.get_tensor(name) if part is None else part(name, f.get_slice(name))
+                if t is not SKIP:
+                    yield name, t, fname
 
 
 def load_model_from_dir(path: str, dtype: torch.dtype = torch.float32, device=None, layout=None) -> DSV4Model:

@@ -8,12 +8,19 @@ THREADS_ENV = "SGLANG_DSV4_CPU_THREADS"  # intra-op threads of each scheduler pr
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: the cores of each rank, "0-3|4-7"
 
 
+def _cores() -> list[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def rank_core_bind(ranks: int, cores: list[int] | None = None) -> str:
     """SGLang's per-rank core list for `ranks` ranks on this process's cores: contiguous equal
     shares when there are enough cores, else ranks share cores round-robin (a CPU test of a
     layout, not a fast one)."""
     if cores is None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = _cores()
     if ranks <= len(cores):
         per = len(cores) // ranks
         parts = [cores[i * per:(i + 1) * per] for i in range(ranks)]
@@ -38,5 +45,5 @@ def scheduler_threads(cores: int | None = None, ranks: int = 1) -> int:
             raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer")
         return int(raw)
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = len(_cores())
     return max(1, (cores - 1) // max(1, ranks))

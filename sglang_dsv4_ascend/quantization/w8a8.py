@@ -371,11 +371,12 @@ def _model_desc(model) -> str:
 
 
 def _local_experts(model: nn.Module, ffn: str, e: int = 0) -> range:
-    """The routed experts `model` holds in MoE layer `ffn` (all of them on one rank)."""
+    """The routed experts `model` holds in MoE layer `ffn` (MoE and W8A8MoE both keep `local`;
+    all of them on one rank)."""
     moe = _owner(model, ffn)
     if moe is None:
         return range(e, e + 1)  # reported as a missing module by the caller
-    return moe.local if hasattr(moe, "local") else range(len(moe.experts))
+    return moe.local
 
 
 def plan_quantization(model: nn.Module, desc: dict) -> dict:
@@ -474,7 +475,7 @@ def apply_quant_description(model: nn.Module, desc: dict, *, family: Optional[st
         first = next(iter(moe.experts.values()))
         experts = W8A8Experts(len(moe.experts), first.w1.in_features, first.w1.out_features, first.limit,
                               name=f"{ffn}.experts", scale_dtype=scale_dtype, family=family, device=dev,
-                              first=getattr(moe, "local", range(1)).start)
+                              first=moe.local.start)
         setattr(model.get_submodule(parent_name), attr, W8A8MoE(moe, experts, shared_replicated=ffn in replicated_shared))
     return plan
 

@@ -178,7 +178,7 @@ class SpecEngine:
                 out.bonus.append(tok)
                 out.paths.append(path)
             self.cache.apply(pending, keep=tuple(keep))
-        if self.sync is not None:
+        if self.sync is not None and self.sync.checking:  # the debug switch: no work per round without it
             self.sync.check({"drafted": [[int(x) for x in t.tokens] for t in drafts.trees], "budget": plan.get("budget"),
                              "accept_lens": out.accept_lens, "paths": [list(p) for p in out.paths],
                              "bonus": [int(t) for t in out.bonus]})

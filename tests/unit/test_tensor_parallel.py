@@ -250,17 +250,17 @@ def test_bench_cache_per_rank_share():
 
 
 def test_each_rank_reads_only_its_part(tiny_ckpt, dsv4_model):
-    """read_rank_part reads split tensors by slice and never another rank's experts; the model it
+    """iter_checkpoint(part=rank_part(...)) reads split tensors by slice and never another rank's experts; the model it
     loads equals the one loaded from whole tensors."""
-    from sglang_dsv4_ascend.distributed.sharding import read_rank_part
-    from sglang_dsv4_ascend.models.weights import is_ignored, iter_checkpoint, load_released_weights
+    from sglang_dsv4_ascend.distributed.sharding import rank_part
+    from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_released_weights
     from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
 
     path, cfg = tiny_ckpt("flash"), dsv4_model("flash").cfg
     whole = sum(t.numel() for _, t, _ in iter_checkpoint(path))
     for tp, ep in [(2, 2), (4, 1)]:
         lay = Layout.for_flags(tp, ep, tp_rank=1)
-        parts = list(read_rank_part(path, lay, cfg.n_routed_experts, cfg.o_groups, skip=is_ignored))
+        parts = list(iter_checkpoint(path, part=rank_part(lay, cfg.n_routed_experts, cfg.o_groups)))
         assert not any(".experts.0." in n for n, _, _ in parts) or ep == 1
         assert sum(t.numel() for _, t, _ in parts) < whole * 0.8
         a, b = DSV4Model(cfg, layout=lay), DSV4Model(cfg, layout=lay)
