@@ -138,10 +138,10 @@ def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, m
     return out
 
 
-def _gather_rows(pool, rows, ok):
-    """pool[rows] in fp32 with the invalid rows zeroed: a 0 probability times garbage (stale or
-    NaN rows) must stay 0."""
-    return pool[rows.clamp(0, max(0, pool.shape[0] - 1))].float().masked_fill(~ok[..., None], 0.0)
+def _gather_rows(pool, rows, ok, dtype=torch.float32):
+    """pool[rows] in `dtype` (fp32 here; the torch_npu mapping gathers in q's dtype) with the
+    invalid rows zeroed: a 0 probability times garbage (stale or NaN rows) must stay 0."""
+    return pool[rows.clamp(0, max(0, pool.shape[0] - 1))].to(dtype).masked_fill(~ok[..., None], 0.0)
 
 
 def _attend_with_sink(q, v, ok, sink, scale: float):
@@ -182,6 +182,17 @@ def source_rows(src: Source, a: int, b: int):
     return rows, ok
 
 
+def gather_sources(sources, a: int, b: int, dtype=torch.float32):
+    """(keys [b-a, K, D] in `dtype`, valid [b-a, K]) of queries a..b-1: every Source's rows in
+    source order, invalid rows zeroed. `sources` holds no empty table (K > 0)."""
+    vs, oks = [], []
+    for src in sources:
+        rows, ok = source_rows(src, a, b)
+        vs.append(_gather_rows(src.pool, rows, ok, dtype))
+        oks.append(ok)
+    return torch.cat(vs, dim=1), torch.cat(oks, dim=1)
+
+
 def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: int = 1 << 24):
     """`sparse_attention_with_sink` over keys drawn from several pools (`Source`s) without
     copying them: the keys of all sources form one softmax with the sink, in source order, so the
@@ -195,15 +206,10 @@ def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: in
     sink = sink.float().view(1, H, 1)
     for a in range(0, T, step):
         b = min(T, a + step)
-        vs, oks = [], []
-        for src in sources:
-            rows, ok = source_rows(src, a, b)
-            vs.append(_gather_rows(src.pool, rows, ok))
-            oks.append(ok)
-        if not vs:
+        if not sources:
             out[a:b] = 0
             continue
-        out[a:b] = _attend_with_sink(q[a:b], torch.cat(vs, dim=1), torch.cat(oks, dim=1), sink, scale)
+        out[a:b] = _attend_with_sink(q[a:b], *gather_sources(sources, a, b), sink, scale)
     return out
 
 
