@@ -49,7 +49,8 @@ def _faster(family: str) -> dict:
     if family == "npu":
         from . import npu
 
-        return {"rms_norm": npu.rms_norm}
+        return {"rms_norm": npu.rms_norm, "sparse_attention_with_sink": npu.sparse_attention_with_sink,
+                "sparse_attention_sources": npu.sparse_attention_sources}
     return {}
 
 

@@ -39,6 +39,7 @@ def test_cuda_binds_triton_kernel_and_force_reference_undoes_it():
     assert fam == "reference" and attn.endswith("ops.reference")
 
 
-def test_npu_keeps_the_eager_mhc():
-    fam, _, norm, mhc = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="npu")
+def test_npu_binds_torch_npu_ops_and_keeps_the_eager_mhc():
+    fam, attn, norm, mhc = _bound({"SGLANG_DSV4_FORCE_REFERENCE": "0"}, family="npu")
     assert fam == "npu" and norm.endswith("ops.npu") and mhc.endswith("ops.reference")
+    assert attn.endswith("ops.npu")
