@@ -59,6 +59,8 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             logger.info("CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
                         "core; %s=0 to keep SGLang's polling)", SLEEP_ON_IDLE_ENV)
         ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
+        if not getattr(server_args, "enable_dp_attention", False):  # plain --dp-size: that many replicas
+            ranks *= getattr(server_args, "dp_size", 1) or 1
         if ranks > 1 and not os.environ.get(BIND_ENV):
             # SGLang's CPU path wants one NUMA node per rank unless told which cores each rank
             # binds (its assert names this variable); the children inherit it.
@@ -75,6 +77,8 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
         import torch
 
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        # plain --dp-size replicas are separate worlds of their own; the bind list counts them all
+        ranks = max(ranks, len([p for p in os.environ.get(BIND_ENV, "").split("|") if p]))
         n = scheduler_threads(ranks=ranks)
         torch.set_num_threads(n)
         logger.info("CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n, THREADS_ENV)
