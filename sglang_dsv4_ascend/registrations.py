@@ -186,6 +186,7 @@ HOOK_OUTPUT_METRICS_TARGET = "sglang.srt.beam_search.output:try_build_beam_searc
 HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
+HOOK_MLP_SYNC_TARGET = "sglang.srt.model_executor.forward_batch_info:ForwardBatch.prepare_mlp_sync_batch"
 
 
 def _install_quantization():
@@ -229,6 +230,8 @@ HOOKS: list = [
     Hook("cpu_spec_assign_slots", HOOK_ASSIGN_TARGET,
          ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "out_cache_loc", "batch_size"),
          _hook(HOOK_ASSIGN_TARGET, ".platforms.cpu_alloc:assign_req_to_token_pool_func", "AROUND")),
+    Hook("cpu_dp_attention_sync", HOOK_MLP_SYNC_TARGET, ("self", "model_runner"),
+         _hook(HOOK_MLP_SYNC_TARGET, ".platforms.cpu_alloc:prepare_mlp_sync_batch", "AROUND")),
     Hook("spec_stats_every_output", HOOK_OUTPUT_METRICS_TARGET, ("recv_obj", "i", "meta_info"),
          _hook(HOOK_OUTPUT_METRICS_TARGET, ".spec_stream:every_output_metrics", "BEFORE")),
     Hook("spec_stats_every_chat_chunk", HOOK_CHAT_STREAM_TARGET,

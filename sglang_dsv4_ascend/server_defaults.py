@@ -81,15 +81,19 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
             out.append(msg)
 
     need(cfg.pp_size == 1, f"--pp-size {cfg.pp_size}: pipeline parallelism is not supported for DeepSeek-V4; supported: 1")
-    dp = max(cfg.dp_size or 1, _raw(server_args, "dp_size") or 1)
-    need(dp == 1 and cfg.attn_dp_size == 1 and not cfg.enable_dp_attention,
-         f"--dp-size {dp} / --enable-dp-attention: DP attention for DeepSeek-V4 (each DP rank's own "
-         "requests and caches, tokens exchanged with the MoE layout) is not implemented in sglang-dsv4-ascend yet; "
-         "supported: --dp-size 1 without --enable-dp-attention, with --tp-size N and --ep-size M (M divides N)")
-    if hf is not None and (cfg.tp_size > 1 or cfg.ep_size > 1):
+    # SGLang 0.5.23 turns `--dp-size D --enable-dp-attention` into `--attn-dp-size D` (dp_size 1)
+    # before this runs; plain `--dp-size` (replicas) is left to SGLang.
+    dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
+    dp_attn = dp > 1 or bool(cfg.enable_dp_attention)
+    need(not (dp_attn and cfg.speculative_algorithm),
+         f"--enable-dp-attention / --attn-dp-size {dp} with --speculative-algorithm {cfg.speculative_algorithm}: speculative decoding "
+         "under DP attention (idle DP ranks joining every verify and draft forward) is not implemented in "
+         "sglang-dsv4-ascend yet; supported: speculative decoding with --tp-size N --ep-size M, or DP attention "
+         "without speculation")
+    if hf is not None and (cfg.tp_size > 1 or cfg.ep_size > 1 or dp_attn):
         from .distributed.layout import layout_problems
 
-        out += layout_problems(hf, cfg.tp_size, cfg.ep_size)
+        out += layout_problems(hf, cfg.tp_size, cfg.ep_size, dp, dp_attn)
         need(cfg.quantization != "w8a8_ascend" or cfg.ep_size == cfg.tp_size,
              f"--quantization w8a8_ascend with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
              f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "

@@ -38,6 +38,11 @@ def segments_from_batch(forward_batch) -> list:
     if mode.is_idle():
         return []
     slots = _cpu_list(forward_batch.req_pool_indices.cpu())
+    # Under DP attention SGLang pads a decode batch with dummy requests (slot 0) up to the largest
+    # DP rank's batch: they are not ours to attend or store.
+    real_bs = getattr(forward_batch, "_original_batch_size", None)
+    if real_bs is not None:
+        slots = slots[:real_bs]
     if mode.is_decode():
         seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
         if seq_lens is None:  # older batches: positions are the decode rows' starts
@@ -114,6 +119,9 @@ class DSV4AscendBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
+
+    # What SGLang's DP-attention padding fills the dummy requests' seq_lens with on CPU.
+    get_cpu_graph_seq_len_fill_value = get_cuda_graph_seq_len_fill_value
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         raise NotImplementedError("dsv4_ascend has no graph capture yet; run with graphs disabled")

@@ -89,19 +89,22 @@ def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
 DEVICE_GB = 64  # HBM of one 910C die (one rank)
 
 
-def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131072) -> dict:
-    """One rank's weights, cache and traffic under --tp-size tp --ep-size ep (rank 0; every rank
-    holds the same amount)."""
+def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131072, dp: int = 1) -> dict:
+    """One rank's weights, cache and traffic under --tp-size tp --ep-size ep, and with dp > 1
+    --dp-size dp --enable-dp-attention (attention TP = tp / dp). Rank 0; every rank holds the same
+    amount. Traffic: bytes one rank sends per decode step in which every DP rank decodes one token
+    (ring all-reduce, 2 (n - 1) / n of the buffer)."""
     from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
     from sglang_dsv4_ascend.config import DSV4Config
     from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
     from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
-    problems = layout_problems(cfg, tp, ep)
+    problems = layout_problems(cfg, tp, ep, dp, enable_dp_attention=dp > 1)
     if problems:
         raise ValueError("; ".join(problems))
-    model = DSV4Model(cfg, dtype=dtype, device="meta", layout=Layout.for_flags(tp, ep))
+    layout = Layout.for_flags(tp, ep, dp)
+    model = DSV4Model(cfg, dtype=dtype, device="meta", layout=layout)
     weights = {"float": 0, "w8a8": 0}
     for n, p in model.named_parameters():
         b = p.numel() * p.element_size()
@@ -115,19 +118,25 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
     cache = DSV4Cache(cfg, num_slots=1, max_context_len=context, dtype=dtype, device="meta")
     per_tok = cache.nbytes()["total"] / context
     elt, d, L, k = torch.tensor([], dtype=dtype).element_size(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts_per_tok
-    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
+
+    def ring(n):
+        return 2 * (n - 1) / n if n > 1 else 0.0
+
+    attn_tp = layout.attn_tp_size
     budget = DEVICE_GB * 1e9
     return {
-        "tp": tp, "ep": ep, "moe_tp": tp // ep, "heads_per_rank": cfg.num_attention_heads // tp,
-        "experts_per_rank": cfg.n_routed_experts // ep,
+        "tp": tp, "ep": ep, "dp_attention": dp, "attn_tp": attn_tp, "moe_tp": tp // ep,
+        "heads_per_rank": cfg.num_attention_heads // attn_tp, "experts_per_rank": cfg.n_routed_experts // ep,
         "weights_gb": {k_: round(v / 1e9, 2) for k_, v in weights.items()},
         "cache_bytes_per_token": round(per_tok, 1),
         "cache_context_for_bytes_per_token": context,
         "fits_on_64gb": {k_: v < budget for k_, v in weights.items()},
         "kv_tokens_that_fit_64gb": {k_: max(0, int((budget - v) / per_tok)) for k_, v in weights.items()},
         "sent_bytes_per_decode_token": {
-            "attention_all_reduce": round(L * ring * d * elt),
-            "moe_all_reduce_fp32": round(L * ring * d * 4),
+            "attention_all_reduce": round(L * ring(attn_tp) * d * elt),
+            # the MoE input of every DP rank (distributed/dp_exchange.py: SUM_LEN all-reduce)
+            "dp_gather_all_reduce": round(L * ring(tp) * dp * d * elt) if dp > 1 else 0,
+            "moe_all_reduce_fp32": round(L * ring(tp) * dp * d * 4),
             "ep_all_to_all_dispatch_combine_reference": round(L * 2 * k * d * elt * (ep - 1) / ep) if ep > 1 else 0,
         },
     }
@@ -140,15 +149,14 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-slack", type=int, default=0, help="speculative rows reserved per ring")
     ap.add_argument("--tp", type=int, default=None, help="also report one rank's share under --tp-size N")
     ap.add_argument("--ep", type=int, default=1, help="with --tp: --ep-size M (M divides N)")
-    ap.add_argument("--dp", type=int, default=1, help="with --tp: --dp-size (DP attention: not implemented, 1 only)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="with --tp: --dp-size D --enable-dp-attention (D divides N; attention TP = N / D)")
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     out = measure(a.config, dtype, a.spec_slack)
     if a.tp is not None or a.dp != 1:
-        if a.dp != 1:
-            ap.error(f"--dp {a.dp}: DP attention for DeepSeek-V4 is not implemented yet; use --dp 1")
         try:
-            out["per_rank"] = per_rank(a.config, a.tp or 1, a.ep, dtype)
+            out["per_rank"] = per_rank(a.config, a.tp or 1, a.ep, dtype, dp=a.dp)
         except ValueError as e:
             ap.error(str(e))
     print(json.dumps(out, indent=2))

@@ -5,7 +5,12 @@ parallel state (`from_sglang`) or given explicitly (tests, `doctor --ranks`, `be
 
     attention TP  (attn_tp_rank / attn_tp_size): splits the q heads, the attention sinks and the
                   grouped output projection (wo_a by whole groups, or with more ranks than groups
-                  each group's heads over tp / o_groups ranks; wo_b row-parallel + all-reduce);
+                  each group's heads over tp / o_groups ranks; wo_b row-parallel + all-reduce over
+                  the attention-TP group);
+    attention DP  (dp_rank / dp_size, `--dp-size` with `--enable-dp-attention`): attention TP =
+                  tp / dp, and each DP rank serves its own requests with its own caches; around
+                  every MoE the DP ranks' tokens are gathered and the result scattered back
+                  (distributed/dp_exchange.py), so the MoE layout below spans the whole TP group;
     MoE EP        (ep_rank / ep_size): each rank holds n_routed_experts / ep_size experts;
     MoE TP        (moe_tp_rank / moe_tp_size = tp_size / ep_size): splits each local expert's
                   intermediate dimension;
@@ -55,8 +60,11 @@ class Layout:
     dp_size: int = 1
     global_rank: int = 0
     world_size: int = 1
-    # Sum over the TP group, in place or not; identity on one rank. Not part of equality.
+    # Sums over the TP group (the MoE) and over the attention-TP group (the attention output), in
+    # place or not; identity on one rank. Not part of equality. `attn_reduce` defaults to `reduce`
+    # (without DP attention the two groups are the same).
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -68,6 +76,14 @@ class Layout:
         if self.reduce is None:
             raise RuntimeError(f"Layout {self.describe()}: no reduce function set for a sharded forward")
         return self.reduce(x)
+
+    def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.attn_tp_size == 1:
+            return x
+        reduce = self.attn_reduce or (self.reduce if self.dp_size == 1 else None)
+        if reduce is None:
+            raise RuntimeError(f"Layout {self.describe()}: no attention-TP reduce function set")
+        return reduce(x)
 
     def experts(self, n_experts: int) -> range:
         """The global ids of the routed experts this rank holds (contiguous)."""
@@ -99,7 +115,7 @@ class Layout:
                    moe_tp_rank=ps.get_moe_tensor_parallel_rank(), moe_tp_size=ps.get_moe_tensor_parallel_world_size(),
                    dp_rank=tp.rank_in_group // attn_tp, dp_size=tp.world_size // attn_tp,
                    global_rank=world.rank_in_group, world_size=world.world_size,
-                   reduce=tp.all_reduce)
+                   reduce=tp.all_reduce, attn_reduce=ps.get_attn_tp_group().all_reduce)
 
     @classmethod
     def for_flags(cls, tp_size: int, ep_size: int = 1, dp_size: int = 1, tp_rank: int = 0) -> "Layout":
@@ -115,7 +131,8 @@ class Layout:
 def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enable_dp_attention: bool = False,
                     draft: str | None = None) -> list[str]:
     """Why DeepSeek-V4 `cfg` (a DSV4Config or HF config) cannot be split as the flags ask, one
-    message per problem, each naming the flag and the supported values."""
+    message per problem, each naming the flag and the supported values. `dp_size` counts only
+    with `enable_dp_attention` (plain `--dp-size` runs independent replicas of the tp layout)."""
     out = []
     H, G = cfg.num_attention_heads, cfg.o_groups
     E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -124,19 +141,25 @@ def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enabl
     def divisors(n, limit=64):
         return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
 
-    if dp_size > 1 or enable_dp_attention:
-        out.append(f"--dp-size {dp_size} / --enable-dp-attention: DP attention for DeepSeek-V4 (each DP rank's own "
-                   "requests, tokens exchanged with the MoE layout) is not implemented in sglang-dsv4-ascend yet; "
-                   "supported: --dp-size 1 without --enable-dp-attention, with --tp-size and --ep-size")
     if tp_size < 1:
         return out + [f"--tp-size {tp_size}: must be >= 1"]
+    attn_tp = tp_size
+    if enable_dp_attention:
+        if dp_size < 2 or tp_size % dp_size:
+            return out + [f"--dp-size {dp_size} --enable-dp-attention (--attn-dp-size {dp_size}): DP attention needs a "
+                          f"DP size of 2 or more that divides --tp-size {tp_size} (attention TP = tp / dp); supported: "
+                          f"{[k for k in divisors(tp_size) if k > 1]}"]
+        attn_tp = tp_size // dp_size
+
     def attn_fits(k):
         return H % k == 0 and (G % k == 0 or k % G == 0)
 
-    if not attn_fits(tp_size):
-        out.append(f"--tp-size {tp_size}: attention TP splits the {H} heads over the ranks with each output group "
+    if not attn_fits(attn_tp):
+        what = (f"--tp-size {tp_size}" if attn_tp == tp_size else
+                f"--tp-size {tp_size} / --dp-size {dp_size} (attention TP {attn_tp})")
+        out.append(f"{what}: attention TP splits the {H} heads over the ranks with each output group "
                    f"(o_groups {G}) on whole ranks or split evenly over several; it must divide {H} and divide or be "
-                   f"a multiple of {G}; supported: {[k for k in divisors(H) if attn_fits(k)]}")
+                   f"a multiple of {G}; supported attention TP sizes: {[k for k in divisors(H) if attn_fits(k)]}")
     if ep_size < 1 or tp_size % ep_size:
         out.append(f"--ep-size {ep_size}: must divide --tp-size {tp_size} (SGLang's MoE EP group lives inside "
                    f"the TP group); supported: {divisors(tp_size)}")

@@ -66,7 +66,7 @@ class Attention(nn.Module):
     def _finish(self, out, cos, sin):
         out = ops.apply_rope(out, cos, sin, inverse=True)
         # wo_b is row-parallel over the groups: each rank holds a partial sum.
-        return self.layout.all_reduce(self.wo_b(self._grouped_wo_a(out)))
+        return self.layout.attn_all_reduce(self.wo_b(self._grouped_wo_a(out)))
 
     def forward(self, x, positions, segments, cache, pending: list | None = None, plan=None) -> torch.Tensor:
         """The batched path when a `plan` (attention_backend.plan) is given, else the per-segment

@@ -73,16 +73,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_id, dtype, device, layout)
         self.ffn = MoE(cfg, layer_id, dtype, device, layout)
 
-    def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None):
-        return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan))
+    def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None, exchange=None):
+        return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan),
+                        exchange)
 
-    def mix(self, streams, input_ids, attend):
+    def mix(self, streams, input_ids, attend, exchange=None):
         """The block around an attention `attend(x) -> out` (the cache-backed one when serving;
-        the DSpark stages and the draft training forwards bring their own key sets)."""
+        the DSpark stages and the draft training forwards bring their own key sets). `exchange`
+        (DP attention, distributed/dp_exchange.py): the MoE runs over every DP rank's tokens."""
         y, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         streams = hc_post(streams, attend(self.attn_norm(y)), post, comb)
         y, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
-        return hc_post(streams, self.ffn(self.ffn_norm(y), input_ids), post, comb)
+        moe = self.ffn if exchange is None else exchange.around(self.ffn)
+        return hc_post(streams, moe(self.ffn_norm(y), input_ids), post, comb)
 
 
 class DSV4Model(nn.Module):
@@ -110,7 +113,7 @@ class DSV4Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids, positions, segments, cache, pending: list | None = None,
-                aux: dict | None = None, plan=None) -> torch.Tensor:
+                aux: dict | None = None, plan=None, exchange=None) -> torch.Tensor:
         """Hidden states [T, d] after the hc head and final norm (feed to `compute_logits`).
 
         input_ids/positions: [T], the segments' tokens concatenated in order; positions must be
@@ -121,7 +124,9 @@ class DSV4Model(nn.Module):
         target features; only those are kept).
         `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
-        per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments)."""
+        per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments).
+        `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
+        tokens too (distributed/dp_exchange.py); this forward may then have no rows at all."""
         _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
                      deferred=pending is not None)
         if plan is None and self.attention_impl == "batched":
@@ -136,8 +141,10 @@ class DSV4Model(nn.Module):
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         keep = set(aux.get("layer_ids", ())) if aux is not None else ()
         layer_streams = {}
+        if exchange is not None:
+            exchange.bind(input_ids)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, positions, segments, cache, pending, plan)
+            streams = layer(streams, input_ids, positions, segments, cache, pending, plan, exchange)
             if i in keep:
                 layer_streams[i] = streams
         if aux is not None:

@@ -25,3 +25,19 @@ def assign_req_to_token_pool_func(orig, req_pool_indices, req_to_token, start_of
     for r, s, e in zip(req_pool_indices.tolist()[:batch_size], start_offset.tolist(), end_offset.tolist()):
         req_to_token[r, s:e] = out_cache_loc[off: off + e - s].to(req_to_token.dtype)
         off += e - s
+
+
+def prepare_mlp_sync_batch(orig, self, model_runner):
+    """DP attention's per-forward padding and count exchange. SGLang pins a host tensor there
+    unless its own CPU engine is on (`_is_cpu`, SGLANG_USE_CPU_ENGINE), and pinning needs CUDA: on
+    a CPU batch the step runs with that module flag declared, as SGLang's CPU engine would (the
+    only other use of the flag there picks the backend's CPU fill value for padded seq_lens)."""
+    if self.input_ids.device.type != "cpu":
+        return orig(self, model_runner)
+    from sglang.srt.model_executor import forward_batch_info as fbi
+
+    saved, fbi._is_cpu = fbi._is_cpu, True
+    try:
+        return orig(self, model_runner)
+    finally:
+        fbi._is_cpu = saved

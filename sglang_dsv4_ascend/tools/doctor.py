@@ -127,10 +127,11 @@ def collect() -> dict:
     return report
 
 
-def ranks_report(ranks: int, ep: int = 1, model: str | None = None) -> dict:
-    """Each rank's coordinates under --tp-size `ranks` --ep-size `ep` (what the server logs at
-    startup) and why the model cannot take that layout, if it cannot. `model`: a checkpoint dir,
-    a published config name (flash / pro), or the shipped tiny model."""
+def ranks_report(ranks: int, ep: int = 1, model: str | None = None, dp: int = 1) -> dict:
+    """Each rank's coordinates under --tp-size `ranks` --ep-size `ep` (and, with dp > 1,
+    --dp-size dp --enable-dp-attention) as the server logs them at startup, and why the model
+    cannot take that layout, if it cannot. `model`: a checkpoint dir, a published config name
+    (flash / pro), or the shipped tiny model."""
     from ..config import DSV4Config
     from ..distributed.layout import Layout, layout_problems
 
@@ -144,11 +145,13 @@ def ranks_report(ranks: int, ep: int = 1, model: str | None = None) -> dict:
         with open(os.path.join(model, "config.json")) as f:
             raw = json.load(f)
     cfg = DSV4Config.from_hf(raw)
-    problems = layout_problems(cfg, ranks, ep)
-    lays = [] if problems else [Layout.for_flags(ranks, ep, tp_rank=r) for r in range(ranks)]
-    return {"model": model, "flags": f"--tp-size {ranks} --ep-size {ep}",
-            "ranks": [{"describe": x.describe(), "heads": [x.attn_tp_rank * cfg.num_attention_heads // ranks,
-                                                           (x.attn_tp_rank + 1) * cfg.num_attention_heads // ranks],
+    problems = layout_problems(cfg, ranks, ep, dp, enable_dp_attention=dp > 1)
+    lays = [] if problems else [Layout.for_flags(ranks, ep, dp, tp_rank=r) for r in range(ranks)]
+    flags = f"--tp-size {ranks} --ep-size {ep}" + (f" --dp-size {dp} --enable-dp-attention" if dp > 1 else "")
+    H = cfg.num_attention_heads
+    return {"model": model, "flags": flags,
+            "ranks": [{"describe": x.describe(), "heads": [x.attn_tp_rank * H // x.attn_tp_size,
+                                                           (x.attn_tp_rank + 1) * H // x.attn_tp_size],
                        "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop]}
                       for x in lays],
             "problems": problems, "ok": not problems}
@@ -160,10 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=None,
                     help="instead: each rank's coordinates under --tp-size RANKS (and --ep-size) for --model")
     ap.add_argument("--ep-size", type=int, default=1, help="with --ranks: the MoE expert-parallel size")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="with --ranks: DP attention (--dp-size D --enable-dp-attention; attention TP = RANKS / D)")
     ap.add_argument("--model", default=None, help="with --ranks: a checkpoint dir, flash, pro (default: the tiny model)")
     a = ap.parse_args(argv)
     if a.ranks is not None:
-        r = ranks_report(a.ranks, a.ep_size, a.model)
+        r = ranks_report(a.ranks, a.ep_size, a.model, a.dp_size)
         if a.json:
             print(json.dumps(r, indent=2))
         else:

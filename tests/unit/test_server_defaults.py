@@ -63,7 +63,11 @@ def cpu_results(tiny_ckpt):
         "tp2_ep2": ["--tp-size", "2", "--ep-size", "2"],
         "pp2": ["--pp-size", "2"],
         "dp2": ["--dp-size", "2"],
-        "dp_attention": ["--dp-size", "2", "--enable-dp-attention"],
+        "attn_dp2": ["--tp-size", "2", "--attn-dp-size", "2"],  # SGLang's newer spelling of the same
+        "tp2_dp2_attention": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+        "tp2_dp2_attention_ep2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"],
+        "dp_attention_nextn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+                               "--speculative-algorithm", "nextn"],
         "ep2": ["--ep-size", "2"],
         "kv_fp8": ["--kv-cache-dtype", "fp8_e4m3"],
         "tokenizer_workers": ["--tokenizer-worker-num", "2"],
@@ -118,8 +122,8 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
     ("tp3", "--tp-size 3: attention TP splits the 4 heads over the ranks"),
     ("pp2", "--pp-size 2:"),
-    ("dp2", "--dp-size 2 / --enable-dp-attention: DP attention for DeepSeek-V4"),
-    ("dp_attention", "--dp-size 2 / --enable-dp-attention: DP attention for DeepSeek-V4"),
+    ("dp_attention_nextn", "--enable-dp-attention / --attn-dp-size 2 with --speculative-algorithm nextn: "
+                           "speculative decoding under DP attention"),
     ("ep2", "--ep-size 2: must divide --tp-size 1"),
     ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
     ("tokenizer_workers", "--tokenizer-worker-num 2:"),
@@ -140,6 +144,9 @@ def test_tensor_and_expert_parallel_layouts_resolve(cpu_results):
     r, _ = cpu_results
     assert "error" not in r["tp2"] and r["tp2"]["tp_size"] == 2, r["tp2"]
     assert "error" not in r["tp2_ep2"] and r["tp2_ep2"]["ep_size"] == 2, r["tp2_ep2"]
+    # plain --dp-size: replicas; --enable-dp-attention with a dp that divides tp: attention TP = tp / dp
+    for case in ("dp2", "tp2_dp2_attention", "tp2_dp2_attention_ep2", "attn_dp2"):
+        assert "error" not in r[case] and r[case]["attention_backend"] == "dsv4_ascend", (case, r[case])
 
 
 def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):

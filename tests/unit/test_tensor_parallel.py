@@ -203,7 +203,13 @@ def test_layout_problems_name_the_flags(dsv4_model):
     msgs = layout_problems(dataclasses.replace(cfg, num_attention_heads=6, o_groups=6), 6, 3)
     assert any(m.startswith("--ep-size 3") and "8 routed experts" in m for m in msgs), msgs
     assert any(m.startswith("--ep-size 3") for m in layout_problems(cfg, 2, 3))
-    assert any(m.startswith("--dp-size 2") for m in layout_problems(cfg, 2, 1, dp_size=2))
+    assert layout_problems(cfg, 2, 1, dp_size=2) == []  # plain --dp-size: replicas of the TP layout
+    assert layout_problems(cfg, 4, 2, dp_size=2, enable_dp_attention=True) == []  # attention TP 2
+    msg = layout_problems(cfg, 2, 1, dp_size=4, enable_dp_attention=True)[0]
+    assert msg.startswith("--dp-size 4 --enable-dp-attention (--attn-dp-size 4)") and "[2]" in msg
+    cfg6 = dataclasses.replace(cfg, num_attention_heads=6, o_groups=6)  # attention TP 4 does not fit 6 heads
+    msg = layout_problems(cfg6, 8, 1, dp_size=2, enable_dp_attention=True)[0]
+    assert msg.startswith("--tp-size 8 / --dp-size 2 (attention TP 4)") and "[1, 2, 3, 6]" in msg
 
 
 def test_rank_sync_helpers(monkeypatch):
@@ -227,6 +233,15 @@ def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
     assert [x["experts"] for x in r["ranks"]] == [[0, 4], [4, 8]] and [x["heads"] for x in r["ranks"]] == [[0, 2], [2, 4]]
     assert doctor.main(["--ranks", "3"]) == 1
     assert "PROBLEM: --tp-size 3" in capsys.readouterr().out
+    # DP attention: attention TP 2 per DP group (heads split 2 ways, repeated per group), experts 4 ways
+    assert doctor.main(["--ranks", "4", "--ep-size", "4", "--dp-size", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["flags"].endswith("--dp-size 2 --enable-dp-attention")
+    assert [x["heads"] for x in r["ranks"]] == [[0, 2], [2, 4], [0, 2], [2, 4]]
+    assert [x["experts"] for x in r["ranks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert "dp 1/2" in r["ranks"][3]["describe"]
+    assert doctor.main(["--ranks", "2", "--dp-size", "4"]) == 1
+    assert "PROBLEM: --dp-size 4 --enable-dp-attention" in capsys.readouterr().out
 
 
 def test_bench_cache_per_rank_share():
@@ -247,6 +262,16 @@ def test_bench_cache_per_rank_share():
     assert r16["cache_bytes_per_token"] == one["cache_bytes_per_token"]  # one shared KV head: replicated
     with pytest.raises(ValueError, match="--ep-size 3"):
         per_rank("flash", 16, 3, torch.bfloat16)
+    # DP attention 16 x attention TP 1: every rank holds all heads (attention weights replicated,
+    # no attention all-reduce), experts still 16 ways; the MoE input of all 16 DP ranks is exchanged
+    d16 = per_rank("flash", 16, 16, torch.bfloat16, dp=16)
+    assert (d16["attn_tp"], d16["heads_per_rank"], d16["experts_per_rank"]) == (1, 64, 16)
+    assert d16["weights_gb"]["float"] > r16["weights_gb"]["float"]
+    sent = d16["sent_bytes_per_decode_token"]
+    assert sent["attention_all_reduce"] == 0 and sent["dp_gather_all_reduce"] > 0
+    assert sent["moe_all_reduce_fp32"] == 16 * r16["sent_bytes_per_decode_token"]["moe_all_reduce_fp32"]
+    with pytest.raises(ValueError, match="--dp-size 3"):
+        per_rank("flash", 16, 16, torch.bfloat16, dp=3)
 
 
 def test_each_rank_reads_only_its_part(tiny_ckpt, dsv4_model):
@@ -268,3 +293,103 @@ def test_each_rank_reads_only_its_part(tiny_ckpt, dsv4_model):
         load_released_weights(b, iter_checkpoint(path))
         for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
             assert torch.equal(x, y), n
+
+
+def _dp_schedules(vocab, seeds=(11, 12), steps=(9, 6), pad_seed=5):
+    """Each DP rank's own schedule (different requests, lengths, and number of busy forwards: the
+    shorter one idles at the end, as an SGLang DP rank with nothing to run still joins every
+    forward) and, per forward, SGLang-style counts: real rows plus a few padding rows."""
+    import random
+
+    scheds = [_random_schedule(s, vocab, steps=n) for s, n in zip(seeds, steps)]
+    rng = random.Random(pad_seed)
+    counts = []
+    for i in range(max(steps)):
+        real = [sum(x.length for x in b[i][0]) if i < len(b) else 0 for b, _ in scheds]
+        counts.append([r + rng.choice([0, 0, 1, 3]) for r in real])
+    return scheds, counts
+
+
+def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken):
+    from sglang_dsv4_ascend.distributed.dp_exchange import DPExchange
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+    def reduce(x):
+        dist.all_reduce(x)
+        return x
+
+    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), reduce=reduce)
+    assert (layout.attn_tp_size, layout.dp_rank) == (1, rank)
+    if broken:  # the token ids are never exchanged: other DP ranks' rows are hash-routed by ours
+        DPExchange.bind = lambda self, ids: setattr(self, "ids", torch.cat(
+            [ids.new_zeros(self.offset), ids[: self.real], ids.new_zeros(self.total - self.offset - self.real)])) or self
+    model = _load(ckpt, layout)
+    (scheds, counts) = _dp_schedules(model.cfg.vocab_size)
+    batches, ctx = scheds[rank]
+    cache = model.make_cache(5, ctx, spec_slack=6)
+    outs = []
+    with torch.no_grad():
+        for i, cnt in enumerate(counts):
+            segs, ids, accepted = batches[i] if i < len(batches) else ([], torch.zeros(0, dtype=torch.long), None)
+            pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]) if segs else ids.clone()
+            ex = DPExchange(cnt, layout.dp_rank, ids.shape[0], layout.attn_tp_rank == 0, layout.all_reduce)
+            pending = [] if accepted is not None else None
+            outs.append(model.compute_logits(model(ids, pos, segs, cache, pending=pending, exchange=ex)))
+            if pending is not None:
+                cache.apply(pending, accepted)
+    torch.save(outs, os.path.join(out_dir, f"dp_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ep,broken", [(1, False), (2, False), (2, True)])
+def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broken):
+    """--tp-size 2 --dp-size 2 --enable-dp-attention (attention TP 1): each DP rank serves its own
+    schedule from its own cache, with padding rows and an idle rank in the counts, while every MoE
+    runs over both ranks' tokens (split by MoE-TP, or by EP); each rank's logits equal the
+    one-rank model on that rank's schedule alone. Without the token-id exchange the hash-routed
+    layers route the other rank's rows wrongly, and that is caught."""
+    model = dsv4_model("flash")
+    assert model.cfg.num_hash_layers > 0  # the broken variant needs hash-routed layers to bite
+    scheds, counts = _dp_schedules(model.cfg.vocab_size)
+    assert len(scheds[1][0]) < len(counts)  # rank 1 idles at the end
+    assert any(c[r] > sum(x.length for x in scheds[r][0][i][0]) for r in range(2) for i, c in
+               enumerate(counts) if i < len(scheds[r][0]))  # and padding rows occur
+    init = tmp_path / f"init-dp-{ep}-{broken}"
+    mp.spawn(_dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken), nprocs=2, join=True)
+    mismatches = 0
+    for r in range(2):
+        got = torch.load(tmp_path / f"dp_rank{r}.pt")
+        batches, ctx = scheds[r]
+        want = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, "batched")
+        assert all(g.shape[0] == 0 for g in got[len(want):])  # the idle forwards return no rows
+        for i, w in enumerate(want):
+            if broken:
+                mismatches += not torch.allclose(got[i], w, **TOL)
+            else:
+                torch.testing.assert_close(got[i], w, **TOL, msg=lambda m: f"DP rank {r}, forward {i}: {m}")
+    if broken:
+        assert mismatches > 0, "the broken exchange (ids not gathered) went unnoticed"
+
+
+def test_dp_exchange_offsets_and_checks():
+    from sglang_dsv4_ascend.distributed.dp_exchange import DPExchange
+
+    # two DP ranks simulated in one process: reduce = sum of both ranks' buffers
+    rows = [torch.arange(6.).reshape(3, 2), torch.arange(10., 14.).reshape(2, 2)]
+    counts = [4, 2]  # rank 0 has one padding row
+    bufs = []
+    exs = [DPExchange(counts, r, rows[r].shape[0], True, lambda b: bufs.append(b) or b) for r in range(2)]
+    parts = [ex.gather(x) for ex, x in zip(exs, rows)]
+    total = parts[0] + parts[1]
+    assert total.shape == (6, 2) and torch.equal(total[:3], rows[0]) and torch.equal(total[3], torch.zeros(2))
+    assert torch.equal(total[4:], rows[1])
+    assert [torch.equal(ex.scatter(total), x) for ex, x in zip(exs, rows)] == [True, True]
+    # a non-writer (attention-TP rank > 0) contributes zeros: each row counted once
+    assert not DPExchange(counts, 0, 3, False, lambda b: b).gather(rows[0]).any()
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        DPExchange(counts, 2, 0, True, lambda b: b)
+    with pytest.raises(ValueError, match="3 real rows on DP rank 1"):
+        DPExchange(counts, 1, 3, True, lambda b: b)
