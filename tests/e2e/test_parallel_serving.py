@@ -1,7 +1,10 @@
 """DeepSeek-V4 across ranks through real SGLang servers on CPU (gloo), fp32, with SGLang's own flags:
-`--tp-size 2` and `--tp-size 2 --ep-size 2` give the one-rank greedy output token for token (single
-and concurrent requests, a prompt across C4 / C128 boundaries), and a W8A8 checkpoint under
-`--tp-size 2 --ep-size 2` agrees with one rank's W8A8 output (first tokens, >= 80 % of positions); NextN chain, NextN tree and DSpark
+`--tp-size 2`, `--tp-size 2 --ep-size 2`, DP attention (`--tp-size 2 --dp-size 2
+--enable-dp-attention --ep-size 2`: each rank its own requests, MoE over both ranks' tokens) and
+plain `--dp-size 2` replicas give the one-rank greedy output token for token (single and
+concurrent requests, a prompt across C4 / C128 boundaries), and a W8A8 checkpoint under
+`--tp-size 2 --ep-size 2`, with and without DP attention, agrees with one rank's W8A8 output
+(first tokens, >= 80 % of positions); NextN chain, NextN tree and DSpark
 adaptive on the trained tiny model under `--tp-size 2` give the no-speculation output with drafts
 really accepted, and the cross-rank decision check (SGLANG_DSV4_SPEC_SYNC_CHECK) stays silent
 over greedy and sampled requests, while a rank whose accept seed is offset is caught by it.
@@ -22,6 +25,7 @@ pytestmark = pytest.mark.e2e
 
 N_NEW = 16
 TP2 = ("--tp-size", "2")
+DP_ATTN = ("--dp-size", "2", "--enable-dp-attention")  # attention TP 1: each rank its own requests
 DESYNC_MARK = "speculative decisions differ across TP ranks"
 
 
@@ -55,11 +59,17 @@ def _ids(outs):
     return [o["output_ids"] for o in outs]
 
 
-def test_tp2_and_ep2_equal_one_rank(start_server, flash, flash_prompts):
-    ref = start_server(flash)
-    want = _ids(_run(ref, flash_prompts)[0])
-    ref.stop()
-    for flags, holds in [(TP2, "moe_tp 1/2"), (TP2 + ("--ep-size", "2"), "moe_ep 1/2")]:
+@pytest.fixture(scope="module")
+def flash_want(flash, flash_prompts):
+    """The one-rank greedy output of each prompt, alone."""
+    with SGLangServer(flash) as ref:
+        return _ids(_run(ref, flash_prompts)[0])
+
+
+def test_tp2_and_ep2_equal_one_rank(start_server, flash, flash_prompts, flash_want):
+    want = flash_want
+    for flags, holds in [(TP2, "moe_tp 1/2"), (TP2 + ("--ep-size", "2"), "moe_ep 1/2"),
+                         (TP2 + DP_ATTN + ("--ep-size", "2"), "attn_tp 0/1, dp 1/2, moe_ep 1/2")]:
         srv = start_server(flash, *flags)
         single, together = _run(srv, flash_prompts)
         assert _ids(single) == want, flags
@@ -67,6 +77,16 @@ def test_tp2_and_ep2_equal_one_rank(start_server, flash, flash_prompts):
         log = srv.log_text()
         assert "dsv4_ascend DeepSeek-V4 layout: rank 1/2" in log and holds in log, flags
         srv.stop()
+
+
+def test_data_parallel_replicas_equal_one_rank(start_server, flash, flash_prompts, flash_want):
+    """Plain --dp-size 2: two one-rank replicas behind SGLang's DP controller (requests split
+    between them), each the one-rank model."""
+    want = flash_want
+    srv = start_server(flash, "--dp-size", "2")
+    single, together = _run(srv, flash_prompts)
+    assert _ids(single) == want and _ids(together) == want
+    assert " DP1]" in srv.log_text() and " DP0]" in srv.log_text()  # two scheduler processes
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +102,14 @@ def test_w8a8_on_two_ranks_equals_one(start_server, flash_w8a8, flash_prompts):
     ref = start_server(flash_w8a8, "--quantization", "w8a8_ascend")
     want = _ids(_run(ref, flash_prompts)[0])
     ref.stop()
-    srv = start_server(flash_w8a8, "--quantization", "w8a8_ascend", *TP2, "--ep-size", "2")
-    single, together = _run(srv, flash_prompts)
+    for dp in ((), DP_ATTN):
+        srv = start_server(flash_w8a8, "--quantization", "w8a8_ascend", *TP2, "--ep-size", "2", *dp)
+        _agrees(_run(srv, flash_prompts), want)
+        srv.stop()
+
+
+def _agrees(runs, want):
+    single, together = runs
     # Not asserted token for token: the fp32 all-reduce rounds differently from one rank's matmul,
     # and such a 1e-6 change flips an int8 activation rounding now and then, which can move a
     # near-tie argmax late in a continuation (tests/unit/test_tensor_parallel.py checks each split
@@ -145,7 +171,8 @@ def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
 @pytest.mark.parametrize("flags,flag", [
     (("--tp-size", "3"), "--tp-size 3"),  # 4 heads
     (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
-    (("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"), "--dp-size 2"),
+    (TP2 + DP_ATTN + ("--speculative-algorithm", "dspark"),
+     "--enable-dp-attention / --attn-dp-size 2 with --speculative-algorithm dspark"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused_by_flag(flash, flags, flag):
     with pytest.raises(ServerFailed) as err:
