@@ -97,16 +97,18 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights):
         path = getattr(self.config, "_name_or_path", None)
         source = _weight_files(path)
-        presliced = (self.layout.sharded and self.quant_description is None and bool(path) and os.path.isdir(path)
+        presliced = (self.layout.sharded and bool(path) and os.path.isdir(path)
                      and any(f.endswith(".safetensors") for f in os.listdir(path)))
         if presliced:
-            # Each rank reads only its part of the checkpoint; SGLang's iterator, which would read
-            # every tensor whole on every rank, is left unread.
+            # Each rank reads only its part of the checkpoint (float or W8A8); SGLang's iterator,
+            # which would read every tensor whole on every rank, is left unread.
             from ..distributed.sharding import rank_part
+            from ..quantization.w8a8 import w8a8_rank_part
             from .weights import iter_checkpoint
 
-            weights = iter_checkpoint(path, skip=None,
-                                      part=rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups))
+            part = (rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
+                    if self.quant_description is None else w8a8_rank_part(self.model))
+            weights = iter_checkpoint(path, skip=None, part=part)
         draft = []
         if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
             weights = _divert(weights, NEXTN_PREFIX, draft)
@@ -117,7 +119,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             from ..quantization.w8a8 import load_w8a8_weights
 
-            load_w8a8_weights(self.model, weights, self.quant_description, source=source)
+            load_w8a8_weights(self.model, weights, self.quant_description, source=source, presliced=presliced)
         if self.nextn is not None:
             load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)
         elif self.dspark is not None:

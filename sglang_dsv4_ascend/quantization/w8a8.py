@@ -487,16 +487,18 @@ def _owner(model: nn.Module, prefix: str):
         return None
 
 
-def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=None) -> None:
+def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=None, presliced: bool = False) -> None:
     """Load a ModelSlim checkpoint's tensors into a model already passed through
-    `apply_quant_description`. weights: (name, tensor[, file]) items. Errors name the tensor: missing
+    `apply_quant_description`. weights: (name, tensor[, file]) items: whole tensors, cut here to the
+    model's layout, or (`presliced`) this rank's parts as `iter_checkpoint(part=w8a8_rank_part(..))`
+    reads them. Errors name the tensor: missing
     tensors (e.g. a scale), dtypes that contradict the description (a float weight declared int8, an
     int8 weight declared FLOAT), shapes, unexpected tensors."""
     entries = tensor_entries(desc)
     state = model.state_dict(keep_vars=True)
     loaded = set()
     layout = getattr(model, "layout", None)
-    sharded = layout is not None and layout.sharded
+    sharded = layout is not None and layout.sharded and not presliced
 
     def where(file):
         return f" (file {file})" if file else (f" (in {source})" if isinstance(source, str) else "")
@@ -601,6 +603,18 @@ def _rank_part(model, name, t, expert_match, layout):
             return _part(t, 0, layout.attn_tp_rank, layout.attn_tp_size)
         return t
     return shard(name, t, layout, model.cfg.n_routed_experts, model.cfg.o_groups)
+
+
+def w8a8_rank_part(model: nn.Module):
+    """For `models.weights.iter_checkpoint(part=...)` on a ModelSlim checkpoint: (name, safetensors
+    slice) -> this rank's part of `model` (swapped by `apply_quant_description`, built for its
+    layout) read from the file, or SKIP for another EP rank's expert, never read (`_rank_part`'s
+    rules; load with `presliced=True`)."""
+    def take(name, sl):
+        part = _rank_part(model, name, sl, _EXPERT.match(name), model.layout)
+        return part if part is SKIP or isinstance(part, torch.Tensor) else part[:]
+
+    return take
 
 
 def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[dict] = None,

@@ -8,6 +8,7 @@ arithmetic, the startup checks that name the flags, and the speculative sync che
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -393,3 +394,45 @@ def test_dp_exchange_offsets_and_checks():
         DPExchange(counts, 2, 0, True, lambda b: b)
     with pytest.raises(ValueError, match="3 real rows on DP rank 1"):
         DPExchange(counts, 1, 3, True, lambda b: b)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_each_w8a8_rank_reads_only_its_part(tmp_path, tiny_ckpt, scheme):
+    """A ModelSlim checkpoint under --tp-size 2 --ep-size 2 (DP attention or not): each rank reads
+    its wq_b rows with their scales and its own experts by slice, never another rank's experts,
+    and the model it loads equals the one cut from whole tensors."""
+    from sglang_dsv4_ascend.data import prompt_path
+    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.weights import iter_checkpoint
+    from sglang_dsv4_ascend.quantization.w8a8 import (apply_quant_description, load_w8a8_weights,
+                                                       read_quant_description, w8a8_rank_part)
+    from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
+
+    q = str(tmp_path / scheme)
+    quantize_checkpoint(tiny_ckpt("flash"), q, scheme, calib=prompt_path("gsm8k") if scheme == "static" else None,
+                        num_calib=4, progress=False)
+    desc = read_quant_description(q)
+    tensors = [(n, t.numel()) for n, t, _ in iter_checkpoint(q)]
+    whole = sum(k for _, k in tensors)
+    cfg = _load(tiny_ckpt("flash")).cfg
+    # rank 1 of EP 2 holds experts 4..7: the other half is never read
+    others = sum(k for n, k in tensors if re.match(r"layers\.\d+\.ffn\.experts\.[0-3]\.", n))
+    assert others > 0
+    for dp in (1, 2):
+        lay = Layout.for_flags(2, 2, dp, tp_rank=1)
+
+        def fresh():
+            m = DSV4Model(cfg, dtype=torch.float32, layout=lay)
+            apply_quant_description(m, desc)
+            return m
+
+        a, b = fresh(), fresh()
+        parts = list(iter_checkpoint(q, part=w8a8_rank_part(a)))
+        assert not any(".experts.0." in n for n, _, _ in parts)
+        assert sum(t.numel() for _, t, _ in parts) <= whole - others
+        load_w8a8_weights(a, parts, desc, presliced=True)
+        load_w8a8_weights(b, iter_checkpoint(q), desc)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        for n in sa:
+            assert torch.equal(sa[n], sb[n]), n
