@@ -139,21 +139,29 @@ def _handle_eagle_family(orig, server_args):
 
 
 def _handle_dspark(orig, server_args):
-    """SGLang's DSpark argument step refuses every device but CUDA / NPU / XPU, for its own
-    worker's kernels. For DeepSeek-V4 on our backend the worker is ours (plain PyTorch, any
-    device), so on CPU the step runs with the device declared "npu" (its checks that read the
-    device only relax DP-attention rules, which our speculative_problems refuse anyway) and
-    "cpu" is declared back right after (the last declaration wins). Everything else it resolves
-    (draft path = the bundled checkpoint, steps 1, topk 1, draft tokens = gamma + 1, gamma from
-    --speculative-dspark-block-size or the checkpoint) is kept."""
+    """SGLang's DSpark argument step, for its own worker's kernels, refuses every device but
+    CUDA / NPU / XPU and wants --enable-dp-lm-head under DP attention. For DeepSeek-V4 on our
+    backend the worker is ours (plain PyTorch, any device) and our model never reads
+    --enable-dp-lm-head (its head is replicated, its logits never gathered). So the step runs
+    with the device declared "npu" on CPU (its checks that read the device only relax
+    DP-attention rules made for its own MoE kernels) and, under DP attention, the flag declared
+    on; both are declared back right after (the last declaration wins). Everything else it
+    resolves (draft path = the bundled checkpoint, steps 1, topk 1, draft tokens = gamma + 1,
+    gamma from --speculative-dspark-block-size or the checkpoint) is kept."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from .server_defaults import BACKEND_NAME, declared_during
 
     cfg = resolving_view(server_args)
-    if not (cfg.attention_backend == BACKEND_NAME and cfg.device == "cpu"):
+    during, after = {}, {}
+    if cfg.attention_backend == BACKEND_NAME:
+        if cfg.device == "cpu":
+            during["device"], after["device"] = "npu", "cpu"
+        if (cfg.attn_dp_size or 1) > 1 and not cfg.enable_dp_lm_head:
+            during["enable_dp_lm_head"], after["enable_dp_lm_head"] = True, False
+    if not during:
         return orig(server_args)
-    with declared_during(server_args, "sglang_dsv4_ascend.dspark_device", {"device": "npu"}, {"device": "cpu"}):
+    with declared_during(server_args, "sglang_dsv4_ascend.dspark_device", during, after):
         return orig(server_args)
 
 

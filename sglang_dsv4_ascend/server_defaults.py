@@ -85,11 +85,6 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
     # before this runs; plain `--dp-size` (replicas) is left to SGLang.
     dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
     dp_attn = dp > 1 or bool(cfg.enable_dp_attention)
-    need(not (dp_attn and cfg.speculative_algorithm),
-         f"--enable-dp-attention / --attn-dp-size {dp} with --speculative-algorithm {cfg.speculative_algorithm}: speculative decoding "
-         "under DP attention (idle DP ranks joining every verify and draft forward) is not implemented in "
-         "sglang-dsv4-ascend yet; supported: speculative decoding with --tp-size N --ep-size M, or DP attention "
-         "without speculation")
     if hf is not None and (cfg.tp_size > 1 or cfg.ep_size > 1 or dp_attn):
         from .distributed.layout import layout_problems
 

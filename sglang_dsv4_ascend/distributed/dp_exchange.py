@@ -13,11 +13,14 @@ MoE-TP) spans all N ranks. Every MoE therefore sees every DP rank's tokens:
              (layers/moe.py), identical on every rank;
     scatter  this DP rank's rows taken back from the reduced output.
 
-`counts` are SGLang's per-DP-rank row counts for this forward (`global_num_tokens_cpu` after
-`prepare_mlp_sync_batch`, a host list, so nothing here waits on the device): they may include
-padding rows SGLang appended (to the largest rank in MAX_LEN mode, or a multiple of the attention
-TP size), which this rank fills with zeros; an idle DP rank brings zero real rows and still joins
-every collective. The routing of the token ids (hash-routed layers) is gathered once per forward.
+`counts` are the per-DP-rank row counts of this forward, all-gathered from each rank's own count
+over the TP group's CPU group (`Layout.gather_counts`: a host collective, so nothing here waits on
+the device). SGLang's own counts (`global_num_tokens` of `prepare_mlp_sync_batch`) are not used:
+under speculative decoding one step is a prefill forward on one DP rank and a verify forward of
+draft rows on another, which SGLang counts as one row per request. Every DP rank runs exactly one
+target forward per scheduler step (an idle rank an empty one), so the forwards pair up. Counts may
+exceed the real rows (callers may pass padding), which this rank fills with zeros. The routing of
+the token ids (hash-routed layers) is gathered once per forward.
 
 This is SGLang's SUM_LEN exchange (`dp_attention.dp_gather_partial` / `dp_scatter`) written over
 the layout's reduce function, so that the same code runs over gloo on CPU and is testable in
@@ -45,14 +48,16 @@ class DPExchange:
         self.ids = None
 
     @classmethod
-    def from_batch(cls, forward_batch, layout, real: int) -> "DPExchange | None":
-        """The exchange of one SGLang forward under DP attention (None without it)."""
-        counts = getattr(forward_batch, "global_num_tokens_cpu", None)
-        if layout.dp_size == 1 or counts is None:
+    def for_forward(cls, layout, rows: int) -> "DPExchange | None":
+        """The exchange of one model forward with `rows` rows on this rank (None without DP
+        attention). Every rank's count comes from the layout's host all-gather, so each forward,
+        whoever runs it (SGLang's model runner, a speculative verify, an idle rank), agrees with
+        the others on the buffer's shape."""
+        if layout.dp_size == 1:
             return None
-        if len(counts) != layout.dp_size:
-            raise RuntimeError(f"DP exchange: SGLang gave {len(counts)} per-rank counts for {layout.dp_size} DP ranks")
-        return cls(counts, layout.dp_rank, real, layout.attn_tp_rank == 0, layout.all_reduce)
+        if layout.gather_counts is None:
+            raise RuntimeError(f"Layout {layout.describe()}: DP attention without a gather_counts function")
+        return cls(layout.gather_counts(rows), layout.dp_rank, rows, layout.attn_tp_rank == 0, layout.all_reduce)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[real, ...] rows of this DP rank -> [total, ...] rows of every DP rank."""

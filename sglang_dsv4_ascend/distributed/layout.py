@@ -65,6 +65,9 @@ class Layout:
     # (without DP attention the two groups are the same).
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    # DP attention: this forward's row count on every DP rank, in DP rank order, from each rank's
+    # own count (a host all-gather over the TP group's CPU group). Not part of equality.
+    gather_counts: Callable[[int], list] | None = field(default=None, compare=False, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -115,7 +118,8 @@ class Layout:
                    moe_tp_rank=ps.get_moe_tensor_parallel_rank(), moe_tp_size=ps.get_moe_tensor_parallel_world_size(),
                    dp_rank=tp.rank_in_group // attn_tp, dp_size=tp.world_size // attn_tp,
                    global_rank=world.rank_in_group, world_size=world.world_size,
-                   reduce=tp.all_reduce, attn_reduce=ps.get_attn_tp_group().all_reduce)
+                   reduce=tp.all_reduce, attn_reduce=ps.get_attn_tp_group().all_reduce,
+                   gather_counts=_counts_over(tp, attn_tp) if tp.world_size > attn_tp else None)
 
     @classmethod
     def for_flags(cls, tp_size: int, ep_size: int = 1, dp_size: int = 1, tp_rank: int = 0) -> "Layout":
@@ -126,6 +130,18 @@ class Layout:
         return cls(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank % attn_tp, attn_tp_size=attn_tp,
                    ep_rank=tp_rank // moe_tp, ep_size=ep_size, moe_tp_rank=tp_rank % moe_tp, moe_tp_size=moe_tp,
                    dp_rank=tp_rank // attn_tp, dp_size=dp_size, global_rank=tp_rank, world_size=tp_size)
+
+
+def _counts_over(tp, attn_tp: int):
+    """gather_counts over SGLang's TP group coordinator `tp`: every rank sends its row count; the
+    attention-TP ranks of one DP group send the same one, so DP rank d's is rank d * attn_tp's."""
+    def gather(n: int) -> list:
+        mine = torch.tensor([int(n)], dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(tp.world_size)]
+        torch.distributed.all_gather(out, mine, group=tp.cpu_group)
+        return [int(out[d * attn_tp]) for d in range(tp.world_size // attn_tp)]
+
+    return gather
 
 
 def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enable_dp_attention: bool = False,

@@ -14,8 +14,13 @@ candidates and another three, their caches would diverge and the next forward wo
   * accept lengths, accepted paths and bonus tokens: from the target logits (replicated head over
     the all-reduced hidden state) and the identically seeded generator.
 
-`SGLANG_DSV4_SPEC_SYNC_CHECK=1` all-gathers each round's decisions over the TP group's CPU group
-and stops the server with an error naming the round, the decision and the ranks if they differ.
+Under DP attention (`--enable-dp-attention`) each DP group serves its own requests: the decisions
+above agree within its attention-TP group, which the check compares; the DP groups meet only in
+the target forward's MoE exchange (distributed/dp_exchange.py), one per scheduler step on every
+rank (an idle or prefilling rank runs its own forward while another verifies).
+
+`SGLANG_DSV4_SPEC_SYNC_CHECK=1` all-gathers each round's decisions over the attention-TP group's
+CPU group and stops the server with an error naming the round, the decision and the ranks if they differ.
 `SGLANG_DSV4_DEBUG_DESYNC_RANK=R` (tests only) offsets rank R's accept seed, the deliberately broken
 variant the check must catch.
 """
@@ -43,11 +48,14 @@ class RankSync:
         self.rounds = 0
 
     @classmethod
-    def from_sglang(cls) -> "RankSync":
+    def from_sglang(cls, attention: bool = False) -> "RankSync":
+        """Over SGLang's TP group, or (`attention`) its attention-TP group: the ranks that serve
+        the same requests, whose decisions must agree (under DP attention each DP group decides
+        for its own requests; without it the two groups are the same)."""
         try:
             from sglang.srt.distributed import parallel_state as ps
 
-            tp = ps.get_tp_group()
+            tp = ps.get_attn_tp_group() if attention else ps.get_tp_group()
         except (AssertionError, ImportError, AttributeError):
             return cls()
         if tp.world_size == 1:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
-from ..distributed.dp_exchange import DPExchange
 from ..distributed.layout import Layout, log_layout
 from .dsv4_core import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
@@ -77,12 +76,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         aux = dict(self.capture_aux) if self.capture_aux is not None else None
         # Under DP attention SGLang may append padding rows (to the largest DP rank, or a multiple
         # of the attention-TP size; an idle rank has only those): the model runs on the real rows,
-        # its MoE on every DP rank's rows, and the logits keep SGLang's row count.
+        # its MoE on every DP rank's rows (distributed/dp_exchange.py), and the logits keep
+        # SGLang's row count.
         rows = input_ids.shape[0]
         real = plan.T if plan is not None else sum(s.length for s in meta.segments)
-        exchange = DPExchange.from_batch(forward_batch, self.layout, real)
-        hidden = self.model(input_ids[:real], positions[:real], meta.segments, backend.cache, plan=plan, aux=aux,
-                            exchange=exchange)
+        hidden = self.model(input_ids[:real], positions[:real], meta.segments, backend.cache, plan=plan, aux=aux)
         if real < rows:
             hidden = torch.cat([hidden, hidden.new_zeros(rows - real, hidden.shape[1])])
         self.last_aux = aux

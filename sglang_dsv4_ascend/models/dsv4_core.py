@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DSV4Config
+from ..distributed.dp_exchange import DPExchange
 from ..distributed.layout import Layout
 from ..layers import RMSNorm
 from ..layers.attention import Attention
@@ -126,7 +127,8 @@ class DSV4Model(nn.Module):
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments).
         `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
-        tokens too (distributed/dp_exchange.py); this forward may then have no rows at all."""
+        tokens too (distributed/dp_exchange.py; built here from the layout when not given); this
+        forward may then have no rows at all."""
         _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
                      deferred=pending is not None)
         if plan is None and self.attention_impl == "batched":
@@ -141,6 +143,8 @@ class DSV4Model(nn.Module):
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         keep = set(aux.get("layer_ids", ())) if aux is not None else ()
         layer_streams = {}
+        if exchange is None:  # DP attention: this forward's MoE sees every DP rank's rows
+            exchange = DPExchange.for_forward(self.layout, input_ids.shape[0])
         if exchange is not None:
             exchange.bind(input_ids)
         for i, layer in enumerate(self.layers):

@@ -120,6 +120,8 @@ class DSV4SpecWorker(BaseSpecWorker):
         # Every TP rank runs this worker on the same batch; its decisions must agree
         # (distributed/spec_sync.py says how each one does).
         self.sync = RankSync.from_sglang()
+        # the ranks serving the same requests (all TP ranks without DP attention): decisions agree there
+        self.decisions = RankSync.from_sglang(attention=True)
         seed = getattr(server_args, "random_seed", None)
         self.generator = torch.Generator().manual_seed(self.sync.seed(int(seed or 0)))  # accept draws on the host
 
@@ -135,7 +137,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             return
         if self.algo != DSPARK_ALGO:
             self.engine = NextNEngine(self.model, self.cache, self.topk, self.num_steps, self.num_draft_tokens,
-                                      make_drafter, self.generator, device=self.device, sync=self.sync)
+                                      make_drafter, self.generator, device=self.device, sync=self.decisions)
             logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
                         "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
                         self.engine.drafter.name)
@@ -152,7 +154,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                         cost.source, cost.c0, cost.c_req, cost.c_tok)
         planner = Planner(self.gamma, self.verify_mode, cost)
         self.engine = SpecEngine(self.model, self.cache, make_drafter, self.generator, self.device, planner=planner,
-                                 sync=self.sync,
+                                 sync=self.decisions,
                                  gamma=self.gamma, topk=1, num_steps=self.gamma, num_draft_tokens=self.gamma + 1)
         native = self.model.cfg.dspark_block_size
         logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
@@ -176,7 +178,9 @@ class DSV4SpecWorker(BaseSpecWorker):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         self._ensure_state()
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        # The local mode: under DP attention SGLang's `is_extend_in_batch` is true on every DP rank
+        # when one of them prefills, while the others still have decode batches.
+        if batch.forward_mode.is_extend():
             return self._prefill(batch)
         if batch.forward_mode.is_idle() or not batch.reqs:
             return self._idle(batch)
@@ -240,6 +244,11 @@ class DSV4SpecWorker(BaseSpecWorker):
         from sglang.srt.managers.utils import GenerationBatchResult
 
         empty = torch.zeros(0, dtype=torch.int32)
+        if self.model.layout.dp_size > 1:
+            # DP attention: another DP rank runs a target forward this step (prefill or verify);
+            # this one joins its MoE exchange with no rows.
+            ids = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.model.model(ids, ids, [], self.cache)
         return GenerationBatchResult(
             logits_output=LogitsProcessorOutput(next_token_logits=None), next_token_ids=empty,
             accept_lens=empty, new_seq_lens=batch.seq_lens,

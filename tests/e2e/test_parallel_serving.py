@@ -5,7 +5,8 @@ plain `--dp-size 2` replicas give the one-rank greedy output token for token (si
 concurrent requests, a prompt across C4 / C128 boundaries), and a W8A8 checkpoint under
 `--tp-size 2 --ep-size 2`, with and without DP attention, agrees with one rank's W8A8 output
 (first tokens, >= 80 % of positions); NextN chain, NextN tree and DSpark
-adaptive on the trained tiny model under `--tp-size 2` give the no-speculation output with drafts
+adaptive on the trained tiny model under `--tp-size 2` (NextN tree and DSpark also with DP attention)
+give the no-speculation output with drafts
 really accepted, and the cross-rank decision check (SGLANG_DSV4_SPEC_SYNC_CHECK) stays silent
 over greedy and sampled requests, while a rank whose accept seed is offset is caught by it.
 Layouts the model cannot take are refused at startup, naming the flag."""
@@ -141,10 +142,14 @@ def chat_reference(chat):
         return _ids(_run(srv, chat)[0])
 
 
-@pytest.mark.parametrize("method", ["nextn_chain", "nextn_tree2", "dspark_adaptive"])
-def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, chat_reference, method):
+@pytest.mark.parametrize("method,dp", [("nextn_chain", ()), ("nextn_tree2", ()), ("dspark_adaptive", ()),
+                                       ("nextn_tree2", DP_ATTN), ("dspark_adaptive", DP_ATTN)])
+def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, chat_reference, method, dp):
+    """Under DP attention each rank drafts and verifies its own requests while the other
+    prefills, verifies or idles in the same step, their target forwards meeting in the MoE
+    exchange; concurrent requests spread over both DP ranks."""
     path, env, flags = headline.METHODS[method]
-    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1"})
+    srv = start_server(path, *headline.POOL, *flags, *TP2, *dp, env={**env, CHECK_ENV: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference
     assert _ids(together) == chat_reference
@@ -171,8 +176,6 @@ def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
 @pytest.mark.parametrize("flags,flag", [
     (("--tp-size", "3"), "--tp-size 3"),  # 4 heads
     (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
-    (TP2 + DP_ATTN + ("--speculative-algorithm", "dspark"),
-     "--enable-dp-attention / --attn-dp-size 2 with --speculative-algorithm dspark"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused_by_flag(flash, flags, flag):
     with pytest.raises(ServerFailed) as err:

@@ -32,7 +32,7 @@ RESOLVE = textwrap.dedent("""
                 "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
                 "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend", "disable_cuda_graph",
                 "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
-                "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size")}
+                "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size", "enable_dp_lm_head")}
                 | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
         except Exception as e:
             out.append({"error": f"{type(e).__name__}: {e}"})
@@ -122,8 +122,6 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
     ("tp3", "--tp-size 3: attention TP splits the 4 heads over the ranks"),
     ("pp2", "--pp-size 2:"),
-    ("dp_attention_nextn", "--enable-dp-attention / --attn-dp-size 2 with --speculative-algorithm nextn: "
-                           "speculative decoding under DP attention"),
     ("ep2", "--ep-size 2: must divide --tp-size 1"),
     ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
     ("tokenizer_workers", "--tokenizer-worker-num 2:"),
@@ -145,7 +143,7 @@ def test_tensor_and_expert_parallel_layouts_resolve(cpu_results):
     assert "error" not in r["tp2"] and r["tp2"]["tp_size"] == 2, r["tp2"]
     assert "error" not in r["tp2_ep2"] and r["tp2_ep2"]["ep_size"] == 2, r["tp2_ep2"]
     # plain --dp-size: replicas; --enable-dp-attention with a dp that divides tp: attention TP = tp / dp
-    for case in ("dp2", "tp2_dp2_attention", "tp2_dp2_attention_ep2", "attn_dp2"):
+    for case in ("dp2", "tp2_dp2_attention", "tp2_dp2_attention_ep2", "attn_dp2", "dp_attention_nextn"):
         assert "error" not in r[case] and r[case]["attention_backend"] == "dsv4_ascend", (case, r[case])
 
 
@@ -165,13 +163,19 @@ def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):
 
 def test_dspark_resolves_on_cpu_with_our_backend(tmp_path):
     """SGLang's DSpark step refuses CPU for its own kernels; ours runs it (hook #10) and keeps what
-    it resolves: steps 1, topk 1, draft tokens = gamma + 1 (the checkpoint's 4, or the flag's)."""
+    it resolves: steps 1, topk 1, draft tokens = gamma + 1 (the checkpoint's 4, or the flag's), also
+    under DP attention."""
     from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
 
     ck = write_checkpoint(str(tmp_path / "dspark"), "flash", "dspark")
     res, _ = resolve(ck, [["--speculative-algorithm", "DSPARK"],
-                          ["--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"]])
-    for d, gamma in zip(res, (4, 6)):
+                          ["--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"],
+                          # DP attention: SGLang's step wants --enable-dp-lm-head for its own head;
+                          # ours never reads it, so it is declared for the step only
+                          ["--speculative-algorithm", "dspark", "--tp-size", "2", "--dp-size", "2",
+                           "--enable-dp-attention"]])
+    assert res[2].get("enable_dp_lm_head") is False, res[2]
+    for d, gamma in zip(res, (4, 6, 4)):
         assert "error" not in d, d
         assert d["speculative_algorithm"] == "DSPARK" and d["device"] == "cpu", d
         assert d["attention_backend"] == "dsv4_ascend" and d["disable_overlap_schedule"] is True, d

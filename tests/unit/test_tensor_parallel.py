@@ -311,8 +311,14 @@ def _dp_schedules(vocab, seeds=(11, 12), steps=(9, 6), pad_seed=5):
     return scheds, counts
 
 
-def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken):
+def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken, explicit):
+    """`explicit`: the test's own counts with padding rows passed to every forward; else the
+    model builds each forward's exchange from the layout's host all-gather of row counts (what
+    a server does)."""
+    from types import SimpleNamespace
+
     from sglang_dsv4_ascend.distributed.dp_exchange import DPExchange
+    from sglang_dsv4_ascend.distributed.layout import _counts_over
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -321,7 +327,8 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken):
         dist.all_reduce(x)
         return x
 
-    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), reduce=reduce)
+    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), reduce=reduce,
+                                 gather_counts=_counts_over(SimpleNamespace(world_size=world, cpu_group=None), 1))
     assert (layout.attn_tp_size, layout.dp_rank) == (1, rank)
     if broken:  # the token ids are never exchanged: other DP ranks' rows are hash-routed by ours
         DPExchange.bind = lambda self, ids: setattr(self, "ids", torch.cat(
@@ -335,7 +342,8 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken):
         for i, cnt in enumerate(counts):
             segs, ids, accepted = batches[i] if i < len(batches) else ([], torch.zeros(0, dtype=torch.long), None)
             pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]) if segs else ids.clone()
-            ex = DPExchange(cnt, layout.dp_rank, ids.shape[0], layout.attn_tp_rank == 0, layout.all_reduce)
+            ex = (DPExchange(cnt, layout.dp_rank, ids.shape[0], layout.attn_tp_rank == 0, layout.all_reduce)
+                  if explicit else None)
             pending = [] if accepted is not None else None
             outs.append(model.compute_logits(model(ids, pos, segs, cache, pending=pending, exchange=ex)))
             if pending is not None:
@@ -345,8 +353,9 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep,broken", [(1, False), (2, False), (2, True)])
-def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broken):
+@pytest.mark.parametrize("ep,broken,explicit", [(1, False, True), (2, False, True), (2, True, True),
+                                                (2, False, False)])
+def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broken, explicit):
     """--tp-size 2 --dp-size 2 --enable-dp-attention (attention TP 1): each DP rank serves its own
     schedule from its own cache, with padding rows and an idle rank in the counts, while every MoE
     runs over both ranks' tokens (split by MoE-TP, or by EP); each rank's logits equal the
@@ -358,8 +367,9 @@ def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broke
     assert len(scheds[1][0]) < len(counts)  # rank 1 idles at the end
     assert any(c[r] > sum(x.length for x in scheds[r][0][i][0]) for r in range(2) for i, c in
                enumerate(counts) if i < len(scheds[r][0]))  # and padding rows occur
-    init = tmp_path / f"init-dp-{ep}-{broken}"
-    mp.spawn(_dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken), nprocs=2, join=True)
+    init = tmp_path / f"init-dp-{ep}-{broken}-{explicit}"
+    mp.spawn(_dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken, explicit), nprocs=2,
+             join=True)
     mismatches = 0
     for r in range(2):
         got = torch.load(tmp_path / f"dp_rank{r}.pt")
