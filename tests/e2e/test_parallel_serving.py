@@ -163,6 +163,25 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, ch
     assert DESYNC_MARK not in srv.log_text()
 
 
+def test_dp_groups_with_attention_tp2_decide_in_sync(start_server, chat, chat_reference):
+    """--tp-size 4 --dp-size 2 --enable-dp-attention: two DP groups of two attention-TP ranks.
+    Greedy NextN == no speculation; within each group the decisions agree over greedy and sampled
+    requests (check silent), and a group member whose accept seed is offset is caught."""
+    path, env, flags = headline.METHODS["nextn_chain"]
+    layout = (*headline.POOL, *flags, "--tp-size", "4", *DP_ATTN)
+    srv = start_server(path, *layout, env={**env, CHECK_ENV: "1"})
+    single, together = _run(srv, chat)
+    assert _ids(single) == chat_reference and _ids(together) == chat_reference
+    _run(srv, chat, temperature=1.0)
+    assert "attn_tp 1/2, dp 1/2" in srv.log_text() and DESYNC_MARK not in srv.log_text()
+    srv.stop()
+    srv = start_server(path, *layout, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
+    with pytest.raises(Exception):
+        for p in chat:
+            srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)
+    assert DESYNC_MARK in srv.log_text()
+
+
 def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
     path, env, flags = headline.METHODS["nextn_chain"]
     srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
