@@ -170,10 +170,21 @@ def _attend_fia(q, kv, ok, sink, scale: float):
     return out.masked_fill_(~ok.any(dim=1)[:, None, None], 0)
 
 
-def _chunk_step(K: int, H: int, D: int, max_chunk_elems: int) -> int:
-    """Query rows per call: the reference's chunk (bounds the gathered [rows, K, D]), at most
-    MAX_ROWS_PER_CALL."""
-    return min(MAX_ROWS_PER_CALL, max(1, max_chunk_elems // max(1, K * max(D, H))))
+def _attend_chunks(q, sink, scale: float, K: int, max_chunk_elems: int, gather):
+    """The shared loop: per chunk a..b of query rows (the reference's chunk, which bounds the
+    gathered [rows, K, D], at most MAX_ROWS_PER_CALL), `gather(a, b) -> (kv [b-a, K, D] in q's
+    dtype, valid [b-a, K])`, then `_attend_fia`. Zero rows or keys give zeros without a call."""
+    T, H, D = q.shape
+    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0 or K == 0:
+        return out
+    sink = sink.float().reshape(H)
+    step = min(MAX_ROWS_PER_CALL, max(1, max_chunk_elems // max(1, K * max(D, H))))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        kv, ok = gather(a, b)
+        out[a:b] = _attend_fia(q[a:b], kv, ok, sink, scale)
+    return out
 
 
 def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, max_chunk_elems: int = 1 << 24):
@@ -184,19 +195,11 @@ def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, m
     Unverified on NPU hardware: never run on an NPU by this project."""
     if q.dtype not in FIA_DTYPES:
         return reference.sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale, max_chunk_elems)
-    T, H, D = q.shape
-    K = indices.shape[1]
-    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
-    if T == 0 or K == 0:
-        return out
-    sink = sink.float().reshape(H)
-    step = _chunk_step(K, H, D, max_chunk_elems)
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        ok = valid[a:b]
-        kv = reference._gather_rows(kv_pool, indices[a:b], ok, q.dtype)
-        out[a:b] = _attend_fia(q[a:b], kv, ok, sink, scale)
-    return out
+
+    def gather(a, b):
+        return reference._gather_rows(kv_pool, indices[a:b], valid[a:b], q.dtype), valid[a:b]
+
+    return _attend_chunks(q, sink, scale, indices.shape[1], max_chunk_elems, gather)
 
 
 def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: int = 1 << 24):
@@ -207,16 +210,6 @@ def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: in
     Unverified on NPU hardware: never run on an NPU by this project."""
     if q.dtype not in FIA_DTYPES:
         return reference.sparse_attention_sources(q, sources, sink, scale, max_chunk_elems)
-    T, H, D = q.shape
-    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
     sources = [s for s in sources if s.table.shape[-1] > 0]
-    K = sum(s.table.shape[-1] for s in sources)
-    if T == 0 or K == 0:
-        return out
-    sink = sink.float().reshape(H)
-    step = _chunk_step(K, H, D, max_chunk_elems)
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        kv, ok = reference.gather_sources(sources, a, b, q.dtype)
-        out[a:b] = _attend_fia(q[a:b], kv, ok, sink, scale)
-    return out
+    return _attend_chunks(q, sink, scale, sum(s.table.shape[-1] for s in sources), max_chunk_elems,
+                          lambda a, b: reference.gather_sources(sources, a, b, q.dtype))
