@@ -423,12 +423,17 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, out_dtype=None) -> torch
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     """Token duplication + stable sort by expert (npu_moe_init_routing): returns
-    (rows [T*k] token index of each sorted row, order [T*k] flat (token, slot) index, counts [E])."""
+    (rows [T*k] token index of each sorted row, order [T*k] flat (token, slot) index, counts [E]).
+    Ids outside [0, E) (another EP rank's experts) are keyed E: sorted after every group, so they
+    lie past the group_list and no grouped matmul spends work on them. Counts come from a
+    fixed-size scatter (bincount's output size depends on the data: a host sync on a device)."""
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = torch.sort(flat, stable=True).indices
     k = topk_ids.shape[-1]
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order // k, order, counts
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order // k, order, counts[:num_experts]
 
 
 def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
@@ -436,7 +441,8 @@ def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
              out_dtype=None, ops: "QuantKernels | None" = None) -> torch.Tensor:
     """The routed-expert W8A8 chain (module docstring). x [T, d]; topk_ids/weights [T, k];
     w13 [E, 2I, d] (gate rows first), w2 [E, d, I] in the `ops` bundle's weight layout;
-    scales [E, 2I] / [E, d]. Returns fp32 [T, d] (the caller adds the shared expert and casts)."""
+    scales [E, 2I] / [E, d]. Ids outside [0, E) are copies for another EP rank's experts: they
+    contribute nothing here. Returns fp32 [T, d] (the caller adds the shared expert and casts)."""
     ops = ops or kernels("reference")
     out_dtype = out_dtype or x.dtype
     E = w13.shape[0]
@@ -447,9 +453,12 @@ def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     a = swiglu_clamped(h, limit, out_dtype)
     aq, a_s = ops.dynamic_quant(a)
     y = ops.grouped_quant_matmul(aq, w2, w2_scale, a_s, group_list, 0, out_dtype)
+    flat = topk_ids.reshape(-1)[order]
+    here = (flat >= 0) & (flat < E)
+    # rows past the group_list are left unwritten by the device op: select, never multiply, them away
+    contrib = torch.where(here[:, None], y.float() * topk_weights.reshape(-1)[order].float()[:, None], 0.0)
     out = torch.zeros(x.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
-    w = topk_weights.reshape(-1)[order].float()
-    out.index_add_(0, rows, y.float() * w[:, None])
+    out.index_add_(0, rows, contrib)
     return out
 
 

@@ -332,9 +332,10 @@ class W8A8MoE(nn.Module):
         self.gate = moe.gate
         self.experts = experts
         self.shared_experts = moe.shared_experts
-        # Across ranks (distributed/): this rank's experts; copies routed elsewhere get weight 0 on a
-        # local expert (the rank holding theirs adds them). A W8A8 shared expert is replicated (its
-        # per-token activation scale must see the whole intermediate dimension) and added by rank 0.
+        # Across ranks (distributed/): this rank's experts; copies routed elsewhere get ids outside
+        # [0, E), which the grouped chain sorts past its groups (the rank holding theirs adds them).
+        # A W8A8 shared expert is replicated (its per-token activation scale must see the whole
+        # intermediate dimension) and added by rank 0.
         self.layout = getattr(moe, "layout", None)
         self.local = range(experts.first, experts.first + experts.num_experts)
         self.shared_replicated = shared_replicated
@@ -343,9 +344,7 @@ class W8A8MoE(nn.Module):
         ids, weights = self.gate(y, input_ids)
         sharded = self.layout is not None and self.layout.sharded
         if sharded:
-            local = ids - self.experts.first
-            here = (local >= 0) & (local < self.experts.num_experts)
-            ids, weights = torch.where(here, local, 0), torch.where(here, weights, 0.0)
+            ids = ids - self.experts.first
         out = self.experts(y, ids, weights)
         if self.shared_experts is not None and not (self.shared_replicated and self.layout.tp_rank != 0):
             out += self.shared_experts(y).float()

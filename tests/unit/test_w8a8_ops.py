@@ -477,6 +477,49 @@ def test_moe_chain_weighted_combine():
     assert np.all(np.abs(got - want) <= 2 * 2 * 2.0 ** -24 * mag)
 
 
+def test_moe_chain_skips_other_ranks_experts():
+    """Under EP, copies routed to another rank's experts arrive as ids outside [0, E): they are sorted
+    past the grouped matmuls' groups (no work spent on them) and add nothing, so the result equals
+    the oracle over this rank's copies alone. The device leaves rows past the groups unwritten; a
+    grouped op that fills them with NaN stands in for that, and a combine that multiplies them by a
+    zero weight instead of selecting them away is caught."""
+    import dataclasses
+
+    x, ids, wts, w13, s13, w2, s2 = _moe_inputs(k=2, E=4)
+    ids = ids.clone()
+    ids[::3, 0] = 4  # a later rank's expert
+    ids[1::4, 1] = -2  # an earlier rank's expert
+    here = (ids >= 0) & (ids < 4)
+    assert (~here).sum() >= 3 and here.sum() >= 3
+    seen = []
+
+    def unwritten_nan(xq, w, scales, per_token, group_list, group_list_type=0, out_dtype=torch.bfloat16):
+        seen.append((xq.shape[0], int(group_list[-1])))
+        out = Q.grouped_quant_matmul(xq, w, scales, per_token, group_list, group_list_type, out_dtype)
+        out[int(group_list[-1]):] = float("nan")
+        return out
+
+    ops = dataclasses.replace(Q.kernels("reference"), grouped_quant_matmul=unwritten_nan)
+    got = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, limit=10.0, ops=ops).numpy().astype(np.float64)
+    _, want = O.moe_chain(_np(x), torch.where(here, ids, 0).numpy(), _np(torch.where(here, wts, 0.0)),
+                          w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
+    mag = np.abs(want).max()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5 * mag, rtol=0)
+    assert seen and all(covered == int(here.sum()) for _, covered in seen), seen  # only this rank's copies
+
+    # Broken: the old combine (other ranks' copies kept, multiplied by weight 0) on unwritten rows.
+    def zero_weight_combine(x, topk_ids, topk_weights, *a, **kw):
+        E = w13.shape[0]
+        rows, order, counts = Q.sort_by_expert(topk_ids, E)
+        y = ops.grouped_quant_matmul(Q.dynamic_quant(x)[0][rows], w13, s13, Q.dynamic_quant(x)[1][rows],
+                                     torch.cumsum(counts, 0), 0, x.dtype)
+        w = torch.where((topk_ids >= 0) & (topk_ids < E), topk_weights, 0.0).reshape(-1)[order]
+        return torch.zeros(x.shape[0], y.shape[-1]).index_add_(0, rows, y.float() * w[:, None])
+
+    assert not torch.isfinite(zero_weight_combine(x, ids, wts)).all()
+
+
 # ------------------------------------------------------------------------------------------------
 # dispatch
 
