@@ -46,6 +46,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def sglang_parallel_state():
+    """SGLang's parallel_state module once its groups exist; None in a single process without them
+    (in-process tests, tools)."""
+    try:
+        from sglang.srt.distributed import parallel_state as ps
+
+        ps.get_tp_group()
+    except (AssertionError, ImportError, AttributeError):
+        return None
+    return ps
+
+
 @dataclass(frozen=True)
 class Layout:
     tp_rank: int = 0
@@ -101,14 +113,10 @@ class Layout:
     @classmethod
     def from_sglang(cls) -> "Layout":
         """This process's coordinates from SGLang's parallel state (one rank when it has none)."""
-        try:
-            from sglang.srt.distributed import parallel_state as ps
-
-            tp = ps.get_tp_group()
-        except (AssertionError, ImportError, AttributeError):  # no groups: a single process
+        ps = sglang_parallel_state()
+        if ps is None or ps.get_tp_group().world_size == 1:
             return cls()
-        if tp.world_size == 1:
-            return cls()
+        tp = ps.get_tp_group()
         world = ps.get_world_group()
         attn_tp = ps.get_attn_tensor_model_parallel_world_size()
         return cls(tp_rank=tp.rank_in_group, tp_size=tp.world_size,

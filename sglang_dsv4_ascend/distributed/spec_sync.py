@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from sglang_dsv4_ascend.distributed.layout import sglang_parallel_state
+
 CHECK_ENV = "SGLANG_DSV4_SPEC_SYNC_CHECK"
 DESYNC_ENV = "SGLANG_DSV4_DEBUG_DESYNC_RANK"
 
@@ -52,12 +54,10 @@ class RankSync:
         """Over SGLang's TP group, or (`attention`) its attention-TP group: the ranks that serve
         the same requests, whose decisions must agree (under DP attention each DP group decides
         for its own requests; without it the two groups are the same)."""
-        try:
-            from sglang.srt.distributed import parallel_state as ps
-
-            tp = ps.get_attn_tp_group() if attention else ps.get_tp_group()
-        except (AssertionError, ImportError, AttributeError):
+        ps = sglang_parallel_state()
+        if ps is None:
             return cls()
+        tp = ps.get_attn_tp_group() if attention else ps.get_tp_group()
         if tp.world_size == 1:
             return cls()
         return cls(tp.cpu_group, tp.rank_in_group, tp.world_size)
