@@ -1,7 +1,10 @@
 """Prompts for the speculative e2e tests: 8 requests with distinct 20-token prefixes (the replay
 drafter tells requests apart by prefix), crossing the 16-token window, many 4-token blocks and,
 while decoding, the 128-token block boundary (prompts of 110 and 124 tokens), plus one long
-prompt (`long_end - 7` tokens: several prefill chunks)."""
+prompt (`long_end - 7` tokens: several prefill chunks). Also the replay drafter's file, and the
+acceptance pattern each replay mode must produce."""
+
+import json
 
 from prompts import load_prompts
 
@@ -18,3 +21,32 @@ def spec_prompts(ckpt, long_end: int):
     assert len(out) == 8 and all(len(p) > 20 for p in out)
     assert len({tuple(p[:20]) for p in out}) == 8
     return out
+
+
+def replay_drafter(tmp_path, prompts, reference, modes) -> str:
+    """TEST_DRAFTER_ENV's value for a replay drafter proposing each prompt's reference continuation
+    in `modes` (full, partial:N, zero, sibling, cycle), one per prompt."""
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))
+    return f"replay:{path}"
+
+
+def check_replay_pattern(out, mode: str, steps: int) -> None:
+    """A NextN request's correct drafts per round (from its histogram) follow its replay mode."""
+    h, ct = out["meta_info"]["spec_correct_drafts_histogram"], out["meta_info"]["spec_verify_ct"]
+    assert sum(h) == ct > 0, (mode, h)
+    correct = [k for k, n in enumerate(h) for _ in range(n)]  # correct drafts of each round
+    body = correct[:-1]  # the last round may be cut by max_new_tokens
+    if mode == "full":
+        assert all(c == steps for c in body), (mode, h)
+    elif mode == "zero":
+        assert all(c == 0 for c in correct), (mode, h)
+    elif mode.startswith("partial:"):
+        assert all(c == int(mode[8:]) for c in body), (mode, h)
+    elif mode == "sibling":
+        # the correct token is always the second child: accepted past a rejected first sibling
+        assert body and all(c >= 1 for c in body), (mode, h)
+    elif mode == "cycle":
+        assert {0, 1, steps} <= set(correct), (mode, h)
+    else:
+        raise ValueError(f"unknown replay mode {mode!r}")

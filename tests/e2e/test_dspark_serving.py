@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from spec_prompts import spec_prompts
+from spec_prompts import replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.speculative.planner import VERIFY_ENV
@@ -75,12 +75,6 @@ def test_greedy_dspark_equals_no_speculation(ckpt, prompts, reference, mode, gam
         assert [o["output_ids"] for o in outs] == reference
 
 
-def _replay_file(tmp_path, prompts, reference, modes):
-    path = tmp_path / "replay.json"
-    path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))
-    return f"replay:{path}"
-
-
 def _stream(srv, prompt):
     """Every chunk of a streamed /generate (native API)."""
     r = requests.post(f"{srv.url}/generate", json={"input_ids": prompt, "stream": True, "sampling_params": {
@@ -110,7 +104,7 @@ def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
     Adaptive: the replay's confidences (0.9 where right, 0.2 after) let the planner trim, so
     partial and zero rounds verify fewer rows, and the output never changes."""
     modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
-    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, modes)}
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
     gamma = 4
     with dspark_server(ckpt, mode, env=env) as srv:
         outs = _concurrent(srv, prompts)

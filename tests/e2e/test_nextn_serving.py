@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from spec_prompts import spec_prompts
+from spec_prompts import check_replay_pattern, replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.tools.server import SGLangServer
@@ -91,43 +91,19 @@ def test_greedy_nextn_equals_no_speculation(ckpt, prompts, reference, config):
             assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_text())
 
 
-def _replay_file(tmp_path, prompts, reference, modes):
-    path = tmp_path / "replay.json"
-    path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))
-    return f"replay:{path}"
-
-
-def _histogram(out) -> list:
-    return out["meta_info"]["spec_correct_drafts_histogram"]
-
-
 @pytest.mark.parametrize("config,modes", [
     ("chain3", ["full", "partial:1", "zero", "cycle", "full", "partial:2", "zero", "full"]),
     ("tree4", ["full", "sibling", "zero", "cycle", "sibling", "partial:1", "full", "zero"]),
 ])
 def test_replay_drives_full_partial_and_zero_acceptance(ckpt, prompts, reference, tmp_path, config, modes):
-    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, modes)}
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
     steps = 3
     with spec_server(ckpt, config, "--chunked-prefill-size", "128", env=env) as srv:
         assert "TEST replay drafter" in srv.log_text()
         outs = _concurrent(srv, prompts)
     assert [o["output_ids"] for o in outs] == reference
     for mode, out in zip(modes, outs):
-        h, ct = _histogram(out), out["meta_info"]["spec_verify_ct"]
-        assert sum(h) == ct > 0, (mode, h)
-        correct = [k for k, n in enumerate(h) for _ in range(n)]  # correct drafts of each round
-        body = correct[:-1]  # the last round may be cut by max_new_tokens
-        if mode == "full":
-            assert all(c == steps for c in body), (mode, h)
-        elif mode == "zero":
-            assert all(c == 0 for c in correct), (mode, h)
-        elif mode.startswith("partial:"):
-            assert all(c == int(mode[8:]) for c in body), (mode, h)
-        elif mode == "sibling":
-            # the correct token is always the second child: accepted past a rejected first sibling
-            assert body and all(c >= 1 for c in body), (mode, h)
-        elif mode == "cycle":
-            assert {0, 1, steps} <= set(correct), (mode, h)
+        check_replay_pattern(out, mode, steps)
 
 
 def used_tokens(srv) -> int:
@@ -136,7 +112,7 @@ def used_tokens(srv) -> int:
 
 
 def test_abort_mid_speculation_frees_the_cache(ckpt, prompts, reference, tmp_path):
-    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, prompts, reference, ["cycle"] * len(prompts))}
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, ["cycle"] * len(prompts))}
     with spec_server(ckpt, "tree2", env=env) as srv:
         idle = used_tokens(srv)
         victim = {"input_ids": prompts[0], "rid": "victim",
@@ -213,7 +189,7 @@ def test_sampled_speculation_matches_the_target_distribution(sharp_ckpt, prompts
     with _server(sharp_ckpt) as base_srv:
         ref = base_srv.generate(prompt, 8)["output_ids"]
         base, _ = _samples(base_srv, prompt, 25, 64)
-    env = {TEST_DRAFTER_ENV: _replay_file(tmp_path, [prompt], [ref], ["full"])}
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, [prompt], [ref], ["full"])}
     with spec_server(sharp_ckpt, "chain3", "--random-seed", "1", env=env) as srv:
         spec, accepted = _samples(srv, prompt, 25, 64)
     assert len(base) == len(spec) == 1600

@@ -8,17 +8,20 @@ concurrent requests, a prompt across C4 / C128 boundaries), and a W8A8 checkpoin
 adaptive on the trained tiny model under `--tp-size 2` (NextN tree and DSpark also with DP attention)
 give the no-speculation output with drafts
 really accepted, and the cross-rank decision check (SGLANG_DSV4_SPEC_SYNC_CHECK) stays silent
-over greedy and sampled requests, while a rank whose accept seed is offset is caught by it.
+over greedy and sampled requests, while a rank whose accept seed is offset is caught by it; the
+replay drafter drives full, partial, non-first-sibling and zero acceptance on two ranks.
 Layouts the model cannot take are refused at startup, naming the flag."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import load_prompts
+from spec_prompts import check_replay_pattern, replay_drafter
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
 from sglang_dsv4_ascend.distributed.spec_sync import CHECK_ENV, DESYNC_ENV
+from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.tools.server import ServerFailed, SGLangServer
 from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
@@ -160,6 +163,26 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, ch
     sampled, _ = _run(srv, chat, temperature=1.0, top_p=0.95)
     assert all(len(o["output_ids"]) == N_NEW for o in sampled)
     assert srv.get("/health")[0] == 200
+    assert DESYNC_MARK not in srv.log_text()
+
+
+@pytest.mark.parametrize("dp,modes", [((), ["full", "partial:1", "zero"]), (DP_ATTN, ["sibling", "cycle", "zero"])])
+def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(start_server, chat, chat_reference, tmp_path,
+                                                                      dp, modes):
+    """The trained drafts accept only partly; the replay drafter drives every acceptance pattern on
+    purpose (NextN tree topk 2, 3 steps), so full commits, partial paths, non-first siblings and
+    rejected rounds all run on both ranks, alone and concurrently (under DP attention the requests
+    spread over both DP ranks): output == no speculation, each request's per-round acceptance is
+    its mode's, and the decision check stays silent."""
+    path, _, flags = headline.METHODS["nextn_tree2"]
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, chat, chat_reference, modes), CHECK_ENV: "1"}
+    srv = start_server(path, *headline.POOL, *flags, *TP2, *dp, env=env)
+    assert "TEST replay drafter" in srv.log_text()
+    single, together = _run(srv, chat)
+    assert _ids(single) == chat_reference and _ids(together) == chat_reference
+    for outs in (single, together):
+        for mode, out in zip(modes, outs):
+            check_replay_pattern(out, mode, steps=3)
     assert DESYNC_MARK not in srv.log_text()
 
 
