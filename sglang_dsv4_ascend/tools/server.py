@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,19 @@ FATAL_MARKERS = ("Scheduler hit an exception", "Received sigquit from a child pr
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for the server's HTTP listener, below the kernel's ephemeral range: a port the
+    kernel hands out (bind to 0) is free now, but uvicorn binds it only after the model has loaded,
+    and by then the kernel may have handed the same port to one of the server's own sockets (gloo
+    listeners of a multi-rank server): "address already in use". SGLang draws its NCCL / gloo
+    store port from 22000-29999 and internal ports up to --port + 1000, so this stays below both."""
+    for port in random.SystemRandom().sample(range(12000, 21000), 64):  # unaffected by random.seed
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+            return port
+        except OSError:
+            continue
+    with socket.socket() as s:  # the band is full: any free port
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
