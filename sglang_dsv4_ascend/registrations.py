@@ -142,7 +142,8 @@ def _handle_dspark(orig, server_args):
     """SGLang's DSpark argument step, for its own worker's kernels, refuses every device but
     CUDA / NPU / XPU and wants --enable-dp-lm-head under DP attention. For DeepSeek-V4 on our
     backend the worker is ours (plain PyTorch, any device) and our model never reads
-    --enable-dp-lm-head (its head is replicated, its logits never gathered). So the step runs
+    --enable-dp-lm-head (its vocab-parallel head always gathers over the attention-TP group
+    itself, layers/vocab_parallel.py, which is what that flag asks SGLang's head to do). So the step runs
     with the device declared "npu" on CPU (its checks that read the device only relax
     DP-attention rules made for its own MoE kernels) and, under DP attention, the flag declared
     on; both are declared back right after (the last declaration wins). Everything else it

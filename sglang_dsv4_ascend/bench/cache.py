@@ -8,7 +8,8 @@ bytes (the model built on the meta device with the rank's heads, groups, experts
 slice), its cache bytes per token (the caches are replicated over attention TP: one shared KV head),
 how many tokens of context fit next to the weights on a 64 GB device (a 910C die), and the bytes
 each rank sends per decode token for the all-reduces our layout performs (attention wo_b in the model
-dtype, MoE partial sums in fp32, ring all-reduce 2(n-1)/n of the tensor), beside what an EP
+dtype, MoE partial sums in fp32, ring all-reduce 2(n-1)/n of the tensor; the vocab-parallel
+embedding's all-reduce and the head's fp32 logit all-gather, (n-1)/n of the logits), beside what an EP
 all-to-all dispatch + combine of the top-k copies would send. Arithmetic from shapes, not a timing.
 
 For each context length the dsv4_ascend cache (`DSV4Cache`, exactly what the backend allocates) is
@@ -123,10 +124,12 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
         return 2 * (n - 1) / n if n > 1 else 0.0
 
     attn_tp = layout.attn_tp_size
+    vocab_parallel = layout.vocab_parallel(cfg.vocab_size)
     budget = DEVICE_GB * 1e9
     return {
         "tp": tp, "ep": ep, "dp_attention": dp, "attn_tp": attn_tp, "moe_tp": tp // ep,
         "heads_per_rank": cfg.num_attention_heads // attn_tp, "experts_per_rank": cfg.n_routed_experts // ep,
+        "vocab_rows_per_rank": len(layout.vocab_rows(cfg.vocab_size)),
         "weights_gb": {k_: round(v / 1e9, 2) for k_, v in weights.items()},
         "cache_bytes_per_token": round(per_tok, 1),
         "cache_context_for_bytes_per_token": context,
@@ -134,6 +137,9 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
         "kv_tokens_that_fit_64gb": {k_: max(0, int((budget - v) / per_tok)) for k_, v in weights.items()},
         "sent_bytes_per_decode_token": {
             "attention_all_reduce": round(L * ring(attn_tp) * d * elt),
+            # vocab-parallel embedding (one all-reduce) and head (fp32 logit columns all-gathered)
+            "embedding_all_reduce": round(ring(attn_tp) * d * elt) if vocab_parallel else 0,
+            "logits_all_gather_fp32": round((attn_tp - 1) / attn_tp * cfg.vocab_size * 4) if vocab_parallel else 0,
             # the MoE input of every DP rank (distributed/dp_exchange.py: SUM_LEN all-reduce)
             "dp_gather_all_reduce": round(L * ring(tp) * dp * d * elt) if dp > 1 else 0,
             "moe_all_reduce_fp32": round(L * ring(tp) * dp * d * 4),

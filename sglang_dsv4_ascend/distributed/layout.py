@@ -17,6 +17,13 @@ parallel state (`from_sglang`) or given explicitly (tests, `doctor --ranks`, `be
     TP            (tp_rank / tp_size): splits the shared expert's intermediate dimension; the
                   MoE partial sums (routed + shared) are reduced over this group.
 
+Vocab-parallel over the attention-TP group (`vocab_parallel`: when that group has several ranks
+and divides the vocabulary): the embedding and the LM head hold vocab / attn_tp rows each
+(layers/vocab_parallel.py). Those ranks serve the same tokens, so a token's embedding row comes
+from the one rank that holds it and an all-reduce of it and zeros is exact, and each rank's logit
+columns are all-gathered: every rank then holds the same full logits, bit for bit. This saves
+2 x vocab x d x (1 - 1 / attn_tp) per rank (about 2 GiB bf16 for Flash at TP 16).
+
 Replicated on every rank, and why:
   * the single shared KV head (`wkv`, `kv_norm`), both compressors and the indexer: DeepSeek-V4
     attention is MQA, so every head reads the same key rows, entries and top-k; splitting them
@@ -26,8 +33,6 @@ Replicated on every rank, and why:
   * mHC (hc_* tensors: a few KB per layer) and the norms;
   * the router (gate weight, bias, tid2eid): routing is computed identically on every rank from
     the same all-reduced input, so no rank ever needs another's routing;
-  * embedding and LM head: replicated (vocab-parallel would save 2 x vocab x d / tp per rank, about
-    1 GiB bf16 per rank for Flash at TP 16; not done yet);
   * the draft models (NextN block, DSpark stages): every rank runs the whole draft on the same
     replicated inputs, so drafts and the decisions made from them are identical by construction.
 
@@ -80,6 +85,8 @@ class Layout:
     # DP attention: this forward's row count on every DP rank, in DP rank order, from each rank's
     # own count (a host all-gather over the TP group's CPU group). Not part of equality.
     gather_counts: Callable[[int], list] | None = field(default=None, compare=False, repr=False)
+    # Concatenation along the last dimension over the attention-TP group (the vocab-parallel head).
+    attn_gather: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -99,6 +106,26 @@ class Layout:
         if reduce is None:
             raise RuntimeError(f"Layout {self.describe()}: no attention-TP reduce function set")
         return reduce(x)
+
+    def attn_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.attn_tp_size == 1:
+            return x
+        gather = self.attn_gather
+        if gather is None:
+            raise RuntimeError(f"Layout {self.describe()}: no attention-TP gather function set")
+        return gather(x)
+
+    def vocab_parallel(self, vocab_size: int) -> bool:
+        """Whether the embedding and head are split by vocabulary rows over attention TP (else
+        replicated: one rank, or a vocabulary the group does not divide)."""
+        return self.attn_tp_size > 1 and vocab_size % self.attn_tp_size == 0
+
+    def vocab_rows(self, vocab_size: int) -> range:
+        """The vocabulary ids whose embedding and head rows this rank holds."""
+        if not self.vocab_parallel(vocab_size):
+            return range(vocab_size)
+        per = vocab_size // self.attn_tp_size
+        return range(self.attn_tp_rank * per, (self.attn_tp_rank + 1) * per)
 
     def experts(self, n_experts: int) -> range:
         """The global ids of the routed experts this rank holds (contiguous)."""
@@ -127,6 +154,7 @@ class Layout:
                    dp_rank=tp.rank_in_group // attn_tp, dp_size=tp.world_size // attn_tp,
                    global_rank=world.rank_in_group, world_size=world.world_size,
                    reduce=tp.all_reduce, attn_reduce=ps.get_attn_tp_group().all_reduce,
+                   attn_gather=ps.get_attn_tp_group().all_gather,
                    gather_counts=_counts_over(tp, attn_tp) if tp.world_size > attn_tp else None)
 
     @classmethod

@@ -9,6 +9,8 @@ what is replicated and why). The names are the released ones, so the rules read 
     layers.N.ffn.experts.E.w1/w3     [inter, d]        only E on this EP rank; rows: its MoE-TP part
     layers.N.ffn.experts.E.w2        [d, inter]        only E on this EP rank; columns: the same part
     layers.N.ffn.shared_experts.*    w1/w3 rows, w2 columns: this TP rank's part
+    embed.weight, head.weight        [vocab, d]        rows: this attention-TP rank's vocabulary
+                                                       (when the group divides it; else whole)
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ from .layout import Layout
 _ATTN = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
 _EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _SHARED = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.(w[123])\.weight$")
+_VOCAB = ("embed.weight", "head.weight")
 
 SKIP = object()  # a tensor another rank holds
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape if isinstance(t, torch.Tensor) else t.get_shape())
 
 
 def _part(t, dim: int, rank: int, size: int) -> torch.Tensor:
     """Part `rank` of `size` along `dim` of a tensor (a view) or of a safetensors slice (read from
     the file: only that part)."""
-    n = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[dim]
+    n = _shape(t)[dim]
     if n % size:
         raise ValueError(f"dimension {dim} of size {n} cannot be split over {size} ranks")
     step = n // size
@@ -70,4 +77,6 @@ def shard(name: str, t: torch.Tensor, layout: Layout, n_experts: int, n_groups: 
     m = _SHARED.match(name)
     if m:
         return _part(t, 1 if m.group(1) == "w2" else 0, layout.tp_rank, layout.tp_size)
+    if name in _VOCAB and layout.vocab_parallel(_shape(t)[0]):
+        return _part(t, 0, layout.attn_tp_rank, layout.attn_tp_size)
     return t

@@ -11,8 +11,9 @@ candidates and another three, their caches would diverge and the next forward wo
   * the adaptive verify budget (DSpark): the confidences are computed as above; the verify cost
     model is measured on every rank (its forwards contain collectives, so all ranks must run the
     same number: the measuring loop's stop is agreed with `any`) and rank 0's fit is broadcast;
-  * accept lengths, accepted paths and bonus tokens: from the target logits (replicated head over
-    the all-reduced hidden state) and the identically seeded generator.
+  * accept lengths, accepted paths and bonus tokens: from the target logits (the head over the
+    all-reduced hidden state, its vocab-parallel columns all-gathered: the same bits on every rank)
+    and the identically seeded generator.
 
 Under DP attention (`--enable-dp-attention`) each DP group serves its own requests: the decisions
 above agree within its attention-TP group, which the check compares; the DP groups meet only in

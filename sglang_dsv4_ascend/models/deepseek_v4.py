@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import DSV4Config
 from ..distributed.layout import Layout, log_layout
+from ..layers.vocab_parallel import GatheredHead
 from .dsv4_core import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
@@ -51,8 +52,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
-        # The head is replicated (every rank computes the full vocabulary): nothing to gather.
+        # compute_logits returns the whole vocabulary on every rank (a vocab-parallel head gathers
+        # over attention TP itself, layers/vocab_parallel.py): SGLang's gather stays off.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
+        head = self.model.head
+        if self.layout.vocab_parallel(self.cfg.vocab_size):
+            head = GatheredHead(head, self.model.compute_logits)
+        object.__setattr__(self, "_logits_head", head)  # not a second registration of model.head
         # The draft (NextN's mtp.0 or DSpark's mtp.0..2), built only when a speculative worker will
         # use it.
         kind = _draft_kind(self.cfg)
@@ -84,7 +90,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if real < rows:
             hidden = torch.cat([hidden, hidden.new_zeros(rows - real, hidden.shape[1])])
         self.last_aux = aux
-        return self.logits_processor(input_ids, hidden, self.model.head, forward_batch)
+        return self.logits_processor(input_ids, hidden, self._logits_head, forward_batch)
 
     def set_dspark_layers_to_capture(self, layer_ids):
         """SGLang's DSPARK setup asks the target for its feature layers. Our DSpark worker

@@ -27,6 +27,7 @@ native `dspark_block_size`: nothing here is sized by the latter.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import torch
 from torch import nn
@@ -213,10 +214,11 @@ class DSparkDraft(nn.Module):
     # -- the block --------------------------------------------------------------------------------
     @torch.no_grad()
     def block(self, cache: DSparkCache, slots, starts, anchors: torch.Tensor, gamma: int, embed: nn.Embedding,
-              head: torch.Tensor):
+              head: Callable[[torch.Tensor], torch.Tensor]):
         """Base logits U [n, gamma, V] (fp32) and confidence features h [n, gamma, d] of each
         request's block [anchor, noise x (gamma - 1)] at positions L .. L + gamma - 1. `embed`
-        and `head` (weight [V, d]) are the target's, shared."""
+        and `head` (hidden -> fp32 logits over the whole vocabulary: the target's compute_logits,
+        which gathers a vocab-parallel head) are the target's, shared."""
         if gamma < 1:
             raise ValueError(f"DSpark block size must be >= 1, got {gamma}")
         n, dev = len(slots), anchors.device
@@ -230,7 +232,7 @@ class DSparkDraft(nn.Module):
             x = stage(x, ids, positions, ctx, ring)
         last = self.mtp[-1]
         h = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, self.cfg)
-        logits = torch.nn.functional.linear(last.norm(h).float(), head.float())
+        logits = head(last.norm(h))
         return logits.view(n, gamma, -1), h.view(n, gamma, -1)
 
     def confidence(self, h_k: torch.Tensor, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:

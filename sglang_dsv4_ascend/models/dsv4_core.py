@@ -24,6 +24,7 @@ from ..layers import RMSNorm
 from ..layers.attention import Attention
 from ..layers.mhc import hc_head, hc_post, hc_pre
 from ..layers.moe import MoE
+from ..layers.vocab_parallel import VocabParallelEmbedding, head_logits
 
 # Released in fp32 and kept in fp32 whatever the model dtype (mHC, sinks, ape, router bias), plus
 # the weights that are only ever used in fp32 (compressor projections, router): converted once at
@@ -97,10 +98,13 @@ class DSV4Model(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         self.layout = layout or Layout()
         d = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device)
+        # Split by vocabulary rows over attention TP when the layout allows (layers/vocab_parallel.py).
+        V = len(self.layout.vocab_rows(cfg.vocab_size))
+        self.embed = (VocabParallelEmbedding(cfg.vocab_size, d, self.layout, dtype=dtype, device=device)
+                      if self.layout.vocab_parallel(cfg.vocab_size) else nn.Embedding(V, d, dtype=dtype, device=device))
         self.layers = nn.ModuleList(Block(cfg, i, dtype, device, self.layout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.head = nn.Linear(d, V, bias=False, dtype=dtype, device=device)
         add_hc_head(self, cfg, device)
         cast_params(self, dtype)
         self.attention_impl = os.environ.get(ATTENTION_ENV, "batched")
@@ -158,8 +162,8 @@ class DSV4Model(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab]."""
-        return F.linear(hidden.float(), self.head.weight.float())
+        """fp32 logits [T, vocab] (the whole vocabulary on every rank)."""
+        return head_logits(self.head, hidden, self.layout, self.cfg.vocab_size)
 
 
 def _check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:

@@ -152,7 +152,8 @@ def ranks_report(ranks: int, ep: int = 1, model: str | None = None, dp: int = 1)
     return {"model": model, "flags": flags,
             "ranks": [{"describe": x.describe(), "heads": [x.attn_tp_rank * H // x.attn_tp_size,
                                                            (x.attn_tp_rank + 1) * H // x.attn_tp_size],
-                       "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop]}
+                       "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop],
+                       "vocab": [x.vocab_rows(cfg.vocab_size).start, x.vocab_rows(cfg.vocab_size).stop]}
                       for x in lays],
             "problems": problems, "ok": not problems}
 
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
             print(f"{r['model']}: {r['flags']}")
             for x in r["ranks"]:
                 print(f"  {x['describe']}; heads [{x['heads'][0]}, {x['heads'][1]}), experts "
-                      f"[{x['experts'][0]}, {x['experts'][1]})")
+                      f"[{x['experts'][0]}, {x['experts'][1]}), vocab rows [{x['vocab'][0]}, {x['vocab'][1]})")
             for p in r["problems"]:
                 print(f"PROBLEM: {p}")
             print("OK" if r["ok"] else "NOT OK")

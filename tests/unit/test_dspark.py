@@ -130,7 +130,7 @@ def test_block_matches_dense_oracle(tiny, gamma):
     prompts = {0: list(range(3, 40)), 2: list(range(50, 57))}  # longer and shorter than the window
     feats = {s: _prefill_features(trunk, draft, p, s, cache, ctx) for s, p in prompts.items()}
     slots, starts, anchors = [2, 0], [7, 37], torch.tensor([11, 99])
-    U, h = draft.block(ctx, slots, starts, anchors, gamma, trunk.embed, trunk.head.weight)
+    U, h = draft.block(ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
     for i, s in enumerate(slots):
         U_ref, h_ref = oracle_block(draft, feats[s], starts[i], int(anchors[i]), gamma, trunk.embed, trunk.head.weight)
         torch.testing.assert_close(U[i], U_ref, atol=2e-4, rtol=2e-4)
@@ -156,7 +156,7 @@ def test_block_is_bidirectional(tiny):
 
     D.BlockContext.__init__ = causal
     try:
-        U_bad, _ = draft.block(ctx, [0], [27], torch.tensor([5]), 4, trunk.embed, trunk.head.weight)
+        U_bad, _ = draft.block(ctx, [0], [27], torch.tensor([5]), 4, trunk.embed, trunk.compute_logits)
     finally:
         D.BlockContext.__init__ = orig
     assert not torch.allclose(U_bad[0, 0], U_ref[0], atol=1e-3)
@@ -178,7 +178,7 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
     trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], cache, aux=aux)
     dr.extend([Segment(0, 0, len(prompt))], None, aux, None, [])
     g = dr.draft([0], [27], [5], None, None)
-    U, _ = draft.block(dr.ctx, [0], [27], torch.tensor([5]), 3, trunk.embed, trunk.head.weight)
+    U, _ = draft.block(dr.ctx, [0], [27], torch.tensor([5]), 3, trunk.embed, trunk.compute_logits)
     z1 = U[0, 0] + draft.mtp[-1].markov_head.bias(torch.tensor([5]))[0]
     assert g.trees[0].tokens[1] == int(z1.argmax()) and g.draft_probs is None
     assert g.confidence.shape == (1, 3) and bool(((g.confidence > 0) & (g.confidence < 1)).all())

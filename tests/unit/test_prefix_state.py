@@ -221,7 +221,7 @@ def _draft_view(eng, slot, L, bonus):
     if hasattr(d, "root_logits"):
         return d.root_logits[slot].clone()
     trunk = eng.model.model
-    U, _ = d.net.block(d.ctx, [slot], [L], torch.tensor([bonus]), eng.gamma, trunk.embed, trunk.head.weight)
+    U, _ = d.net.block(d.ctx, [slot], [L], torch.tensor([bonus]), eng.gamma, trunk.embed, trunk.compute_logits)
     return U[0]
 
 

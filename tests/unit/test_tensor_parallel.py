@@ -2,9 +2,10 @@
 heads, groups, experts and shared-expert slice, run the same random schedule (prefill chunks
 across C4 / C128 / window boundaries, decode, speculative verify with deferred partial writes) and
 their logits equal the one-rank model's within fp32 tolerance, under TP 2 (MoE-TP 2) and TP 2 /
-EP 2, batched and per-segment. Every rank returns the same bits (the head is replicated after the
-last all-reduce). A rank that takes its neighbour's wo_b columns is caught. Plus the layout
-arithmetic, the startup checks that name the flags, and the speculative sync check's helpers."""
+EP 2, batched and per-segment, with the embedding and head vocab-parallel. Every rank returns the
+same bits (the head's logit columns are all-gathered after the last all-reduce). A rank that takes
+its neighbour's wo_b columns, embedding rows or head rows is caught. Plus the layout arithmetic,
+the startup checks that name the flags, and the speculative sync check's helpers."""
 
 import dataclasses
 import os
@@ -33,22 +34,35 @@ def _load(ckpt, layout=None):
     return load_model_from_dir(ckpt, layout=layout)
 
 
+def _collectives() -> dict:
+    """The Layout's collectives over the whole gloo world (the TP group; without DP attention also
+    the attention-TP group), as SGLang's group coordinators give them in a server."""
+    def reduce(x):
+        dist.all_reduce(x)
+        return x
+
+    def gather(x):  # concatenated along the last dimension in rank order
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, -1)
+
+    return dict(reduce=reduce, attn_gather=gather)
+
+
 def _rank_main(rank, world, init_file, ckpt, tp, ep, impl, seed, out_dir, broken):
     from sglang_dsv4_ascend.models import weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
-    def reduce(x):
-        dist.all_reduce(x)
-        return x
-
-    layout = dataclasses.replace(Layout.for_flags(tp, ep, tp_rank=rank), reduce=reduce)
-    if broken:  # this rank's wo_b columns come from the other rank: the partial sums no longer match
+    layout = dataclasses.replace(Layout.for_flags(tp, ep, tp_rank=rank), **_collectives())
+    if broken:  # this rank's part of tensors named `broken` comes from the other rank
         other = dataclasses.replace(layout, attn_tp_rank=1 - layout.attn_tp_rank)
         orig = weights.shard
-        weights.shard = lambda n, t, lay, e, g: orig(n, t, other if n.endswith("wo_b.weight") else lay, e, g)
+        weights.shard = lambda n, t, lay, e, g: orig(n, t, other if n.endswith(broken) else lay, e, g)
     model = _load(ckpt, layout)
+    # the vocabulary divides the attention-TP group: embedding and head are vocab-parallel
+    assert model.embed.num_embeddings == model.head.weight.shape[0] == model.cfg.vocab_size // layout.attn_tp_size
     batches, ctx = _random_schedule(seed, model.cfg.vocab_size)
     logits = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, impl)
     torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -81,11 +95,7 @@ def _w8a8_rank_main(rank, world, init_file, ckpt, out_dir, broken=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
-    def reduce(x):
-        dist.all_reduce(x)
-        return x
-
-    model = _load(ckpt, dataclasses.replace(Layout.for_flags(world, world, tp_rank=rank), reduce=reduce))
+    model = _load(ckpt, dataclasses.replace(Layout.for_flags(world, world, tp_rank=rank), **_collectives()))
     if broken:  # every rank adds the replicated shared expert: counted world times
         for blk in model.layers:
             blk.ffn.shared_replicated = False
@@ -150,11 +160,14 @@ def test_w8a8_refuses_a_split_expert(tmp_path, tiny_ckpt):
         _load(q, Layout.for_flags(2, 1, tp_rank=0))
 
 
-def test_neighbour_wo_b_columns_are_caught(tmp_path, tiny_ckpt, dsv4_model):
+@pytest.mark.parametrize("broken", ["wo_b.weight", "embed.weight", "head.weight"])
+def test_a_neighbours_part_is_caught(tmp_path, tiny_ckpt, dsv4_model, broken):
+    """A rank holding its neighbour's wo_b columns (the partial sums no longer add up), vocabulary
+    rows of the embedding (its tokens' rows wrong) or of the head (its logit columns wrong)."""
     model = dsv4_model("flash")
     batches, ctx = _random_schedule(1, model.cfg.vocab_size)
     want = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, "batched")
-    r0, _ = _on_ranks(tmp_path, tiny_ckpt("flash"), 2, 1, "batched", 1, broken=True)
+    r0, _ = _on_ranks(tmp_path, tiny_ckpt("flash"), 2, 1, "batched", 1, broken=broken)
     assert max(float((a - w).abs().max()) for a, w in zip(r0, want)) > 1e-2
 
 
@@ -240,6 +253,8 @@ def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
     assert r["flags"].endswith("--dp-size 2 --enable-dp-attention")
     assert [x["heads"] for x in r["ranks"]] == [[0, 2], [2, 4], [0, 2], [2, 4]]
     assert [x["experts"] for x in r["ranks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    V = r["ranks"][1]["vocab"][1]  # vocabulary rows halved over each DP group's attention TP
+    assert [x["vocab"] for x in r["ranks"]] == [[0, V // 2], [V // 2, V]] * 2
     assert "dp 1/2" in r["ranks"][3]["describe"]
     assert doctor.main(["--ranks", "2", "--dp-size", "4"]) == 1
     assert "PROBLEM: --dp-size 4 --enable-dp-attention" in capsys.readouterr().out
@@ -258,8 +273,11 @@ def test_bench_cache_per_rank_share():
     assert one["sent_bytes_per_decode_token"]["attention_all_reduce"] == 0
     r16 = per_rank("flash", 16, 16, torch.bfloat16)
     assert r16["experts_per_rank"] == 16 and r16["heads_per_rank"] == 4
-    # experts and heads split 16 ways; embedding, head, router, KV path replicated
+    # experts, heads and vocabulary rows split 16 ways; router, KV path replicated
     assert total / 16 < r16["weights_gb"]["float"] * 1e9 < total / 4
+    assert r16["vocab_rows_per_rank"] == 129280 // 16 and one["vocab_rows_per_rank"] == 129280
+    sent16 = r16["sent_bytes_per_decode_token"]
+    assert sent16["logits_all_gather_fp32"] == round(15 / 16 * 129280 * 4) and sent16["embedding_all_reduce"] > 0
     assert r16["cache_bytes_per_token"] == one["cache_bytes_per_token"]  # one shared KV head: replicated
     with pytest.raises(ValueError, match="--ep-size 3"):
         per_rank("flash", 16, 3, torch.bfloat16)
@@ -268,6 +286,8 @@ def test_bench_cache_per_rank_share():
     d16 = per_rank("flash", 16, 16, torch.bfloat16, dp=16)
     assert (d16["attn_tp"], d16["heads_per_rank"], d16["experts_per_rank"]) == (1, 64, 16)
     assert d16["weights_gb"]["float"] > r16["weights_gb"]["float"]
+    assert d16["vocab_rows_per_rank"] == 129280  # attention TP 1: the vocabulary whole on every rank
+    assert d16["sent_bytes_per_decode_token"]["logits_all_gather_fp32"] == 0
     sent = d16["sent_bytes_per_decode_token"]
     assert sent["attention_all_reduce"] == 0 and sent["dp_gather_all_reduce"] > 0
     assert sent["moe_all_reduce_fp32"] == 16 * r16["sent_bytes_per_decode_token"]["moe_all_reduce_fp32"]
@@ -323,11 +343,7 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken, explicit):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
-    def reduce(x):
-        dist.all_reduce(x)
-        return x
-
-    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), reduce=reduce,
+    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), **_collectives(),
                                  gather_counts=_counts_over(SimpleNamespace(world_size=world, cpu_group=None), 1))
     assert (layout.attn_tp_size, layout.dp_rank) == (1, rank)
     if broken:  # the token ids are never exchanged: other DP ranks' rows are hash-routed by ours

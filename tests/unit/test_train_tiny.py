@@ -60,7 +60,7 @@ def test_dspark_training_block_equals_serving_block(dspark_ckpt):
             n = int(L[b, i])
             draft.inject(cache, feats[b, :n], torch.full((n,), b), torch.arange(n))
         Us, hs = draft.block(cache, list(range(B)), L[:, i].tolist(), x[torch.arange(B), L[:, i]], gamma,
-                             model.embed, model.head.weight)
+                             model.embed, model.compute_logits)
         torch.testing.assert_close(U.view(B, 2, gamma, -1)[:, i], Us, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(h.view(B, 2, gamma, -1)[:, i], hs, rtol=1e-4, atol=1e-4)
 

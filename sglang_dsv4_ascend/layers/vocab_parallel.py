@@ -1,0 +1,61 @@
+"""Embedding and LM head split by vocabulary rows over the attention-TP group (distributed/layout.py
+says when and why).
+
+    embed(x)  = sum over ranks r of  E_r[x - v_r]  if v_r <= x < v_r + V/n  else 0    (all-reduce)
+    logits(h) = [h E'_0^T | h E'_1^T | ... | h E'_{n-1}^T]                              (all-gather)
+
+Exactly one rank holds a token's row, so the all-reduce adds zeros to it: the sum is that row, in
+any order and any dtype. The gathered logits are the same bits on every rank (a collective returns
+one result), so everything decided from them (sampling, speculative accepts) agrees across ranks.
+Both keep the released parameter names (`embed.weight`, `head.weight`) with this rank's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.layout import Layout
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None):
+        rows = layout.vocab_rows(vocab_size)
+        super().__init__(len(rows), dim, dtype=dtype, device=device)
+        self.vocab_size, self.first, self.layout = vocab_size, rows.start, layout
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        here = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(torch.where(here, local, 0), self.weight)
+        return self.layout.attn_all_reduce(torch.where(here.unsqueeze(-1), rows, 0))
+
+    def extra_repr(self) -> str:
+        return f"vocab rows [{self.first}, {self.first + self.num_embeddings}) of {self.vocab_size}, dim {self.embedding_dim}"
+
+
+def head_logits(head: nn.Linear, hidden: torch.Tensor, layout: Layout, vocab_size: int) -> torch.Tensor:
+    """fp32 logits [T, vocab] from `head` (this rank's vocabulary rows when vocab-parallel)."""
+    local = F.linear(hidden.float(), head.weight.float())
+    return layout.attn_all_gather(local) if layout.vocab_parallel(vocab_size) else local
+
+
+class GatheredHead:
+    """What SGLang's LogitsProcessor is given as the lm_head of a vocab-parallel model: the
+    processor computes logits through a head's `quant_method.apply(layer, hidden, bias)` when it
+    has one, so it receives the full gathered logits (its own gather stays off: our group is the
+    attention-TP group, under DP attention too) and does the rest (logprobs, hidden states) as
+    usual. A plain object, not a module: SGLang's loader never sees it."""
+
+    def __init__(self, head: nn.Linear, compute_logits):
+        self.head, self.compute_logits, self.quant_method = head, compute_logits, self
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def apply(self, layer, hidden: torch.Tensor, bias=None) -> torch.Tensor:
+        if bias is not None:
+            raise ValueError("DeepSeek-V4's LM head has no bias")
+        return self.compute_logits(hidden)
