@@ -9,7 +9,8 @@ slice), its cache bytes per token (the caches are replicated over attention TP: 
 how many tokens of context fit next to the weights on a 64 GB device (a 910C die), and the bytes
 each rank sends per decode token for the all-reduces our layout performs (attention wo_b in the model
 dtype, MoE partial sums in fp32, ring all-reduce 2(n-1)/n of the tensor; the vocab-parallel
-embedding's all-reduce and the head's fp32 logit all-gather, (n-1)/n of the logits), beside what an EP
+embedding's all-reduce and the head's logit all-gather, (n-1)/n of the logits, counted in fp32 as the
+speculative engine gathers them; a served bf16 head sends half), beside what an EP
 all-to-all dispatch + combine of the top-k copies would send. Arithmetic from shapes, not a timing.
 
 For each context length the dsv4_ascend cache (`DSV4Cache`, exactly what the backend allocates) is
@@ -137,7 +138,7 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
         "kv_tokens_that_fit_64gb": {k_: max(0, int((budget - v) / per_tok)) for k_, v in weights.items()},
         "sent_bytes_per_decode_token": {
             "attention_all_reduce": round(L * ring(attn_tp) * d * elt),
-            # vocab-parallel embedding (one all-reduce) and head (fp32 logit columns all-gathered)
+            # vocab-parallel embedding (one all-reduce) and head (logit columns all-gathered; fp32 counted)
             "embedding_all_reduce": round(ring(attn_tp) * d * elt) if vocab_parallel else 0,
             "logits_all_gather_fp32": round((attn_tp - 1) / attn_tp * cfg.vocab_size * 4) if vocab_parallel else 0,
             # the MoE input of every DP rank (distributed/dp_exchange.py: SUM_LEN all-reduce)

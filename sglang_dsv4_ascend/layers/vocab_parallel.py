@@ -46,10 +46,15 @@ class GatheredHead:
     processor computes logits through a head's `quant_method.apply(layer, hidden, bias)` when it
     has one, so it receives the full gathered logits (its own gather stays off: our group is the
     attention-TP group, under DP attention too) and does the rest (logprobs, hidden states) as
-    usual. A plain object, not a module: SGLang's loader never sees it."""
+    usual. A plain object, not a module: SGLang's loader never sees it.
 
-    def __init__(self, head: nn.Linear, compute_logits):
-        self.head, self.compute_logits, self.quant_method = head, compute_logits, self
+    The local columns are computed as the processor computes a plain head's: in the weight's dtype,
+    or in fp32 when it hands fp32 hidden states (--enable-fp32-lm-head, or an fp32 model). So a
+    vocab-parallel server rounds its logits as a one-rank server does, and a bf16 head is not
+    copied to fp32 on every forward."""
+
+    def __init__(self, head: nn.Linear, layout: Layout):
+        self.head, self.layout, self.quant_method = head, layout, self
 
     @property
     def weight(self) -> torch.Tensor:
@@ -58,4 +63,6 @@ class GatheredHead:
     def apply(self, layer, hidden: torch.Tensor, bias=None) -> torch.Tensor:
         if bias is not None:
             raise ValueError("DeepSeek-V4's LM head has no bias")
-        return self.compute_logits(hidden)
+        w = self.head.weight
+        dtype = torch.float32 if hidden.dtype == torch.float32 else w.dtype
+        return self.layout.attn_all_gather(F.linear(hidden.to(dtype), w.to(dtype)))

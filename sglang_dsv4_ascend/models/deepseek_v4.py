@@ -57,7 +57,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         head = self.model.head
         if self.layout.vocab_parallel(self.cfg.vocab_size):
-            head = GatheredHead(head, self.model.compute_logits)
+            head = GatheredHead(head, self.layout)
         object.__setattr__(self, "_logits_head", head)  # not a second registration of model.head
         # The draft (NextN's mtp.0 or DSpark's mtp.0..2), built only when a speculative worker will
         # use it.

@@ -198,6 +198,34 @@ def test_shards_cover_each_tensor_once(dsv4_model):
             torch.testing.assert_close(torch.cat(got, dim), t, msg=n)
 
 
+def test_gathered_head_rounds_as_sglangs_plain_head():
+    """The head SGLang's LogitsProcessor gets under vocab parallelism: rank 0's columns, gathered
+    with rank 1's, are what the processor computes for a whole plain head (a matmul in the weight's
+    dtype; in fp32 for fp32 hidden states), bit for bit and in the same dtype: a bf16 head is not
+    copied to fp32 (as compute_logits does for the speculative engine) on every served forward."""
+    from sglang_dsv4_ascend.layers.vocab_parallel import GatheredHead
+
+    g = torch.Generator().manual_seed(0)
+    V, d = 64, 256
+    w = torch.randn(V, d, generator=g).bfloat16()
+    h = torch.randn(5, d, generator=g)
+
+    def plain(hidden):  # LogitsProcessor._compute_lm_head for an unquantized head of weight w
+        return torch.matmul(hidden.float(), w.float().T) if hidden.dtype == torch.float32 else torch.matmul(
+            hidden.to(w.dtype), w.T)
+
+    for hidden in (h.bfloat16(), h):
+        rank1 = plain(hidden)[:, V // 2:]  # what rank 1 contributes to the gather
+        layout = dataclasses.replace(Layout.for_flags(2, tp_rank=0), attn_gather=lambda x: torch.cat([x, rank1], -1))
+        part = torch.nn.Linear(d, V // 2, bias=False).bfloat16()
+        with torch.no_grad():
+            part.weight.copy_(w[: V // 2])
+        head = GatheredHead(part, layout)
+        got = head.quant_method.apply(head, hidden)
+        want = plain(hidden)
+        assert got.dtype == want.dtype and torch.equal(got, want), hidden.dtype
+
+
 def test_layout_coordinates_follow_sglang():
     # tp 4, ep 2: MoE-TP 2; ranks 0,1 hold the first half of the experts.
     lays = [Layout.for_flags(4, 2, tp_rank=r) for r in range(4)]
