@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,6 +59,8 @@ class SGLangServer:
         self.port = free_port()
         self.proc = None
         self.log_path = None
+        self._reaper = None
+        self.log_mark = 0  # log_since() reads from here; a shared server's user moves it (mark())
 
     @property
     def url(self) -> str:
@@ -85,21 +88,56 @@ class SGLangServer:
                     return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         self.stop()
         raise ServerFailed(f"server not healthy after {self.startup_timeout}s\n{self.log_tail()}")
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM the whole process group, SIGKILL it after 20 s. wait=False returns at once and
+        leaves the wait to a thread (join() waits for it): a test suite need not spend SGLang's
+        seconds of shutdown per server before it starts the next one."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        if wait:
+            self._reap()
+        elif self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def join(self) -> None:
+        """Wait for a stop(wait=False) to finish."""
+        if self._reaper is not None:
+            self._reaper.join()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def mark(self) -> None:
+        """Start log_since() here (a shared server handed to the next test)."""
+        self.log_mark = os.path.getsize(self.log_path) if self.log_path and os.path.exists(self.log_path) else 0
+
+    def log_since(self) -> str:
+        """The log written since mark(): what this test's requests made the server print."""
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_mark)
+            return f.read().decode(errors="replace")
 
     def log_text(self) -> str:
         if not self.log_path or not os.path.exists(self.log_path):
