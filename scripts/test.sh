@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): set up the environment if needed, then run every test.
+# The test command (README, .ci/run): set up the environment if needed, then run the tests.
+#   bash scripts/test.sh           every test (what CI runs)
+#   bash scripts/test.sh --quick   the unit tests and one end-to-end smoke test (the inner loop)
+# Further arguments go to pytest (a path or -k narrows the run). Two pytest-xdist workers: the
+# end-to-end groups (tests/e2e/conftest.py SCHEDULE) each on one worker, the unit tests on
+# whichever is free; SGLANG_DSV4_TEST_WORKERS=0 runs everything in one process. Every run ends
+# with its 15 slowest tests, the server starts and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 bash scripts/setup_env.sh
+select=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  select=(-m "not e2e or smoke")
+fi
+workers=${SGLANG_DSV4_TEST_WORKERS:-2}
+xdist=()
+[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup)
 set +e
-.venv/bin/python -m pytest -q -rs tests "$@"
+.venv/bin/python -m pytest -q -rs --durations=15 "${xdist[@]}" "${select[@]}" tests "$@"
 rc=$?
 set -e
+echo "[test] total $((SECONDS - start)) s (setup included), pytest exit $rc"
 # pytest's "no tests collected" (5) must not pass as green.
 [ "$rc" -eq 5 ] && { echo "no tests were collected" >&2; exit 1; }
 exit "$rc"

@@ -1,9 +1,13 @@
+import json
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import pytest
 
-# Shared test helpers (prompts.py, e2e/server.py) import by plain module name.
+# Shared test helpers (prompts.py, e2e/pool.py, e2e/spec_prompts.py) import by plain module name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # A user's clone stands alone: nothing the tests run may read the development checkout's sibling
@@ -26,7 +30,111 @@ def _audit(event, args):
 sys.addaudithook(_audit)
 
 
+# -- checkpoints: each written once per test process ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """(preset, draft) -> a tiny DeepSeek-V4 checkpoint directory (random weights, seed 0), written
+    once per run and shared by every test that asks for the same. Do not modify it: copy it."""
+    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
+
+    dirs = {}
+
+    def get(preset: str = "flash", draft: str = "dspark") -> str:
+        if (preset, draft) not in dirs:
+            dirs[preset, draft] = write_checkpoint(str(tmp_path_factory.mktemp(f"{preset}_{draft}")), preset, draft)
+        return dirs[preset, draft]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def w8a8_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """(preset, draft) -> its dynamic W8A8 version, written once per run by the quantize tool's
+    command line (python -m sglang_dsv4_ascend.tools.quantize_w8a8 IN OUT --scheme dynamic)."""
+    from sglang_dsv4_ascend.tools.quantize_w8a8 import main as quantize
+
+    dirs = {}
+
+    def get(preset: str = "flash", draft: str = "dspark") -> str:
+        if (preset, draft) not in dirs:
+            out = str(tmp_path_factory.mktemp(f"{preset}_{draft}_w8a8") / "w8a8")
+            assert quantize([tiny_checkpoint(preset, draft), out, "--scheme", "dynamic", "--no-progress"]) in (0, None)
+            dirs[preset, draft] = out
+        return dirs[preset, draft]
+
+    return get
+
+
+# -- the budget: server starts and where the time went, printed at the end of every run -----------
+
+_starts: list = []  # (seconds, "model flags") of every server this process started
+_servers: list = []
+
+
+def _count_server_starts():
+    from sglang_dsv4_ascend.tools import server as srv_mod
+
+    start = srv_mod.SGLangServer.start
+    if getattr(start, "_counted", False):
+        return
+
+    def counted(self):
+        t0 = time.monotonic()
+        _servers.append(self)
+        try:
+            return start(self)
+        finally:
+            _starts.append((time.monotonic() - t0, " ".join([os.path.basename(self.model_path), *self.extra_args])))
+
+    counted._counted = True
+    srv_mod.SGLangServer.start = counted
+
+
+_count_server_starts()
+
+
+_STATS_ENV = "SGLANG_DSV4_TEST_STATS_DIR"  # set by the main pytest process, inherited by xdist workers
+
+
+def pytest_configure(config):
+    if _STATS_ENV not in os.environ:
+        os.environ[_STATS_ENV] = tempfile.mkdtemp(prefix="sglang-dsv4-tests-")
+
+
+def _stats_dir(config) -> str:
+    return os.environ[_STATS_ENV]
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _outside:
         print(f"\nERROR: tests read outside the repository: {sorted(set(_outside))[:10]}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    for s in _servers:  # every server stopped, including those a failed test left running
+        s.stop(wait=False)
+    for s in _servers:
+        s.join()
+    d = _stats_dir(session.config)
+    os.makedirs(d, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(d, f"starts-{worker}.json"), "w") as f:
+        json.dump(_starts, f)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return
+    d = _stats_dir(config)
+    starts = []
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        with open(os.path.join(d, name)) as f:
+            starts += json.load(f)
+    shutil.rmtree(d, ignore_errors=True)
+    if not starts:
+        return
+    total = sum(s for s, _ in starts)
+    tr = terminalreporter
+    tr.section("server starts")
+    tr.write_line(f"{len(starts)} SGLang server starts, {total:.0f} s starting them (summed over test processes)")
+    for s, what in sorted(starts, reverse=True)[:5]:
+        tr.write_line(f"  {s:6.1f} s  {what[:150]}")

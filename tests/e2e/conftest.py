@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from pool import PoolView, ServerPool  # noqa: E402
+
 from sglang_dsv4_ascend.tools.server import SGLangServer  # noqa: E402
 
 
@@ -20,26 +22,121 @@ def tiny_llama(ckpt_root):
     return write_tiny_llama(str(ckpt_root / "tiny_llama"))
 
 
+_pool: list = []  # the session's ServerPool, once a test asked for it
+
+
+@pytest.fixture(scope="session")
+def server_pool():
+    pool = ServerPool()
+    _pool.append(pool)
+    yield pool
+    pool.close()
+
+
+def _group(item):
+    mark = item.get_closest_marker("xdist_group") if item is not None else None
+    return mark.args[0] if mark else None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The pooled servers go when the next test of this process is in another group (or none is
+    known yet): they would sit idle, holding memory and (DP controllers) a core."""
+    if _pool and (nextitem is None or _group(nextitem) != _group(item)):
+        _pool[0].release()
+
+
+@pytest.fixture
+def servers(request, server_pool):
+    """servers.get(model, *flags, env=None) -> a running server shared with every other test
+    that asks for the same (tests/e2e/pool.py says when a test must own its server instead).
+    The logs of the servers a failed test used are printed."""
+    view = PoolView(server_pool)
+    yield view
+    if _failed(request):
+        for s in view.used:
+            print(s.log_tail())
+
+
 @pytest.fixture
 def start_server(request):
-    """Factory: start_server(model_path, *args, env=None) -> a running SGLangServer.
-
-    Every server started through it is stopped at teardown, and its log is printed when the
-    test failed.
-    """
-    servers = []
+    """Factory for servers a test owns: start_server(model_path, *args, env=None) -> a running
+    SGLangServer, stopped at teardown (without waiting for SGLang's shutdown); its log is printed
+    when the test failed. Use it only where a shared server cannot do (tests/e2e/pool.py)."""
+    owned = []
 
     def _start(model_path, *args, env=None):
         s = SGLangServer(model_path, *args, env=env)
-        servers.append(s)
+        owned.append(s)
         return s.start()
 
     yield _start
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for s in servers:
+    failed = _failed(request)
+    for s in owned:
         if failed:
             print(s.log_tail())
-        s.stop()
+        s.stop(wait=False)
+
+
+def _failed(request) -> bool:
+    rep = getattr(request.node, "rep_call", None)
+    return rep is not None and rep.failed
+
+
+# The end-to-end run order, as (group, test id prefix): the users of each shared server side by side
+# (tests/e2e/pool.py), in groups of similar length. `scripts/test.sh` runs each group on one of
+# two pytest-xdist workers (--dist loadgroup) and the unit tests on whichever is free. A test not
+# listed runs last, in its own group.
+SCHEDULE = [
+    # DeepSeek-V4 across ranks (multi-process servers): the random checkpoint's layouts, the random
+    # W8A8 checkpoint's one-rank server first
+    ("ranks", "test_w8a8_serving.py"),
+    ("ranks", "test_parallel_serving.py::test_w8a8"),
+    ("ranks", "test_parallel_serving.py::test_tp2_and_ep2"),
+    ("ranks", "test_parallel_serving.py::test_data_parallel"),
+    ("ranks", "test_parallel_serving.py::test_a_layout"),
+    # speculation across ranks on the trained model
+    ("ranks-spec", "test_parallel_serving.py"),
+    # DSpark on the random checkpoint; the trained model's methods, each server's users together
+    ("spec", "test_dspark_serving.py"),
+    ("spec", "test_trained_tiny.py::test_the_completion"),
+    ("spec", "test_trained_tiny.py::test_nextn_variant"),
+    *[("spec", f"{test}[{method}]") for method in ("nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static",
+                                                     "dspark_adaptive")
+      for test in ("test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
+                   "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold")],
+    ("spec", "test_bench_serve.py"),  # DSpark adaptive
+    ("spec", "test_trained_tiny.py"),
+    # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals
+    ("nextn", "test_nextn_serving.py"),
+    ("nextn", "test_prefix_cache_serving.py"),
+    ("nextn", "test_request_boundary.py"),
+    ("nextn", "test_dsv4_serving.py"),
+    ("nextn", "test_platform_serving.py"),
+    ("nextn", "test_dsv4_bad_input.py"),
+]
+
+
+def _slot(item) -> int:
+    rel = item.nodeid.rsplit("e2e/", 1)[-1]
+    return next((i for i, (_, prefix) in enumerate(SCHEDULE) if rel.startswith(prefix)), len(SCHEDULE))
+
+
+def pytest_itemcollected(item):
+    """Mark each e2e test with its group as it is collected (xdist reads the mark in its own
+    collection hook, which may run before any reordering)."""
+    if "/e2e/" not in f"/{item.nodeid}":
+        return
+    item.add_marker(pytest.mark.e2e)  # every test in this folder, whether or not its file says so
+    i = _slot(item)
+    item.add_marker(pytest.mark.xdist_group(SCHEDULE[i][0] if i < len(SCHEDULE) else item.nodeid))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the e2e tests by SCHEDULE (after the unit tests; under xdist the groups go first)."""
+    e2e = [it for it in items if "/e2e/" in f"/{it.nodeid}"]
+    if e2e:
+        e2e_ids = set(map(id, e2e))
+        items[:] = [it for it in items if id(it) not in e2e_ids] + sorted(e2e, key=_slot)
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -13,10 +13,9 @@ import sys
 import pytest
 import requests
 
-import sglang_dsv4_ascend as pkg
-from sglang_dsv4_ascend.bench import serve
+from sglang_dsv4_ascend.bench import headline, serve
 from sglang_dsv4_ascend.data import load_prompts
-from sglang_dsv4_ascend.tools.server import SGLangServer, free_port
+from sglang_dsv4_ascend.tools.server import free_port
 
 N_PROMPTS, MAX_TOKENS, LEVELS = 4, 24, (1, 4)
 
@@ -79,11 +78,11 @@ def test_missing_url_and_missing_matplotlib(monkeypatch):
 # -- one real server --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server():
+def server(server_pool):
     # the shipped trained model: its drafts are accepted, so the per-position figures are non-trivial
-    with SGLangServer(pkg.TINY_MODEL_PATH, "--max-total-tokens", "32768", "--speculative-algorithm", "dspark",
-                      startup_timeout=300) as srv:
-        yield srv
+    # (the headline's DSpark adaptive server, shared with test_trained_tiny.py)
+    path, env, flags = headline.METHODS["dspark_adaptive"]
+    return server_pool.get(path, *headline.POOL, *flags, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from spec_prompts import replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.speculative.planner import VERIFY_ENV
-from sglang_dsv4_ascend.tools.server import SGLangServer
 
 pytestmark = pytest.mark.e2e
 
@@ -23,19 +22,13 @@ N_NEW = 24
 POOL = ("--max-total-tokens", "32768")
 
 
-def _server(ckpt, *args, env=None):
-    return SGLangServer(ckpt, *POOL, *args, env=env, startup_timeout=300)
-
-
-def dspark_server(ckpt, mode, *args, env=None):
-    return _server(ckpt, "--speculative-algorithm", "dspark", *args, env={VERIFY_ENV: mode, **(env or {})})
+def dspark_server(servers, ckpt, mode, *args, env=None):
+    return servers.get(ckpt, *POOL, "--speculative-algorithm", "dspark", *args, env={VERIFY_ENV: mode, **(env or {})})
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    return write_checkpoint(str(tmp_path_factory.mktemp("dspark") / "flash"), "flash", "dspark")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("flash", "dspark")
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +37,10 @@ def prompts(ckpt):
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt, prompts):
-    with _server(ckpt) as srv:
-        return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+def reference(server_pool, ckpt, prompts):
+    # the no-speculation server is shared (test_parallel_serving.py's one-rank reference uses it)
+    srv = server_pool.get(ckpt, *POOL)
+    return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
 
 
 def _concurrent(srv, prompts, **kw):
@@ -55,24 +49,24 @@ def _concurrent(srv, prompts, **kw):
 
 
 @pytest.mark.parametrize("mode,gamma", [("static", None), ("adaptive", None), ("adaptive", "6")])
-def test_greedy_dspark_equals_no_speculation(ckpt, prompts, reference, mode, gamma):
+def test_greedy_dspark_equals_no_speculation(servers, ckpt, prompts, reference, mode, gamma):
     args = ("--speculative-dspark-block-size", gamma) if gamma else ()
-    with dspark_server(ckpt, mode, *args) as srv:
-        log = srv.log_text()
-        want_gamma = gamma or "4"
-        assert f"DSpark worker: gamma={want_gamma} (checkpoint native 4), verify={mode}" in log
-        if mode == "adaptive":
-            assert "verify cost model (measured at startup" in log
-        out = srv.generate(prompts[0], N_NEW, ignore_eos=True)
-        assert out["output_ids"] == reference[0]
-        m = out["meta_info"]
-        assert m["spec_verify_ct"] > 0 and m["spec_num_proposed_drafts"] == m["spec_verify_ct"] * int(want_gamma)
-        assert sum(m["spec_cap_lens_histogram"]) == m["spec_verify_ct"]
-        if mode == "static":  # every round verifies the whole block (+ the anchor row)
-            assert m["spec_cap_lens_histogram"][-1] == m["spec_verify_ct"]
-            assert len(m["spec_cap_lens_histogram"]) == int(want_gamma) + 2
-        outs = _concurrent(srv, prompts)
-        assert [o["output_ids"] for o in outs] == reference
+    srv = dspark_server(servers, ckpt, mode, *args)
+    log = srv.log_text()
+    want_gamma = gamma or "4"
+    assert f"DSpark worker: gamma={want_gamma} (checkpoint native 4), verify={mode}" in log
+    if mode == "adaptive":
+        assert "verify cost model (measured at startup" in log
+    out = srv.generate(prompts[0], N_NEW, ignore_eos=True)
+    assert out["output_ids"] == reference[0]
+    m = out["meta_info"]
+    assert m["spec_verify_ct"] > 0 and m["spec_num_proposed_drafts"] == m["spec_verify_ct"] * int(want_gamma)
+    assert sum(m["spec_cap_lens_histogram"]) == m["spec_verify_ct"]
+    if mode == "static":  # every round verifies the whole block (+ the anchor row)
+        assert m["spec_cap_lens_histogram"][-1] == m["spec_verify_ct"]
+        assert len(m["spec_cap_lens_histogram"]) == int(want_gamma) + 2
+    outs = _concurrent(srv, prompts)
+    assert [o["output_ids"] for o in outs] == reference
 
 
 def _stream(srv, prompt):
@@ -98,7 +92,7 @@ def _openai_stream(srv, prompt, details: bool):
 
 
 @pytest.mark.parametrize("mode", ["static", "adaptive"])
-def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
+def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path, mode):
     """Full / partial / zero acceptance on purpose; the stats the server reports are recomputed
     from the known pattern. Static: full accepts all 4 drafts per round, partial:2 two, zero none.
     Adaptive: the replay's confidences (0.9 where right, 0.2 after) let the planner trim, so
@@ -106,57 +100,57 @@ def test_replay_acceptance_and_stats(ckpt, prompts, reference, tmp_path, mode):
     modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
     env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
     gamma = 4
-    with dspark_server(ckpt, mode, env=env) as srv:
-        outs = _concurrent(srv, prompts)
-        assert [o["output_ids"] for o in outs] == reference
-        for out, m in zip(outs, modes):
-            meta = out["meta_info"]
-            correct = {"full": gamma, "zero": 0}.get(m) if not m.startswith("partial") else int(m.split(":")[1])
+    srv = dspark_server(servers, ckpt, mode, env=env)
+    outs = _concurrent(srv, prompts)
+    assert [o["output_ids"] for o in outs] == reference
+    for out, m in zip(outs, modes):
+        meta = out["meta_info"]
+        correct = {"full": gamma, "zero": 0}.get(m) if not m.startswith("partial") else int(m.split(":")[1])
+        hist = meta["spec_correct_drafts_histogram"]
+        rounds = meta["spec_verify_ct"]
+        # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
+        assert hist[correct] >= rounds - 1, (m, hist)
+        assert meta["spec_num_correct_drafts"] == sum(k * v for k, v in enumerate(hist))
+        if mode == "static":
+            assert meta["spec_cap_lens_histogram"][gamma + 1] == rounds
+        elif m == "zero":  # the planner verifies what the confidences deserve, not the whole block
+            assert meta["spec_cap_length"] < gamma + 1
+    # streaming: every chunk carries the stats so far, consistent with the tokens so far
+    chunks = _stream(srv, prompts[1])
+    assert len(chunks) > 2
+    prev = 0
+    for i, ch in enumerate(chunks):
+        meta = ch["meta_info"]
+        n = meta["completion_tokens"]
+        assert n >= prev
+        prev = n
+        if i:  # every chunk after the prefill's token carries the counters so far
             hist = meta["spec_correct_drafts_histogram"]
-            rounds = meta["spec_verify_ct"]
-            # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
-            assert hist[correct] >= rounds - 1, (m, hist)
-            assert meta["spec_num_correct_drafts"] == sum(k * v for k, v in enumerate(hist))
-            if mode == "static":
-                assert meta["spec_cap_lens_histogram"][gamma + 1] == rounds
-            elif m == "zero":  # the planner verifies what the confidences deserve, not the whole block
-                assert meta["spec_cap_length"] < gamma + 1
-        # streaming: every chunk carries the stats so far, consistent with the tokens so far
-        chunks = _stream(srv, prompts[1])
-        assert len(chunks) > 2
-        prev = 0
-        for i, ch in enumerate(chunks):
-            meta = ch["meta_info"]
-            n = meta["completion_tokens"]
-            assert n >= prev
-            prev = n
-            if i:  # every chunk after the prefill's token carries the counters so far
-                hist = meta["spec_correct_drafts_histogram"]
-                assert sum(hist) == meta["spec_verify_ct"]
-                # the first token comes from the prefill, each round emits accepted + 1; the last
-                # round may be cut by max_new_tokens
-                emitted = 1 + sum((k + 1) * v for k, v in enumerate(hist))
-                assert n == emitted if i < len(chunks) - 1 else n <= emitted, (i, n, hist)
-        assert chunks[-1]["meta_info"]["completion_tokens"] == N_NEW
-        # OpenAI stream: the stats ride in every token chunk with return_spec_tokens_details, and
-        # the chunks (count, text) are those of the same stream without the flag
-        plain, withstats = _openai_stream(srv, prompts[2], False), _openai_stream(srv, prompts[2], True)
-        assert [c["choices"][0].get("text") for c in plain if c.get("choices")] == \
-            [c["choices"][0].get("text") for c in withstats if c.get("choices")]
-        # no chunk is added before or between tokens (SGLang's own sglext-only chunk follows the last one)
-        assert [bool(c.get("choices")) for c in plain] == [bool(c.get("choices")) for c in withstats][: len(plain)]
-        assert not any(c.get("choices") for c in withstats[len(plain):])
-        assert not any((c.get("sglext") or {}).get("spec_tokens_details") for c in plain[:-2])
-        rounds = 0
-        token_chunks = [c for c in withstats if c.get("choices") and c["choices"][0].get("finish_reason") is None]
-        assert len(token_chunks) > 2
-        for c in token_chunks[1:]:  # the first one is the prefill's token: no round yet
-            d = c["sglext"]["spec_tokens_details"]
-            assert d["spec_verify_ct"] >= rounds and sum(d["spec_correct_drafts_histogram"]) == d["spec_verify_ct"]
-            rounds = d["spec_verify_ct"]
-            assert "cached_tokens" in c["sglext"]
-        assert rounds > 0
-        info = srv.server_info()
-        rec = info["internal_states"][0]["dspark_info_record"]
-        assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",
-                                                                       "commit", "extend"}
+            assert sum(hist) == meta["spec_verify_ct"]
+            # the first token comes from the prefill, each round emits accepted + 1; the last
+            # round may be cut by max_new_tokens
+            emitted = 1 + sum((k + 1) * v for k, v in enumerate(hist))
+            assert n == emitted if i < len(chunks) - 1 else n <= emitted, (i, n, hist)
+    assert chunks[-1]["meta_info"]["completion_tokens"] == N_NEW
+    # OpenAI stream: the stats ride in every token chunk with return_spec_tokens_details, and
+    # the chunks (count, text) are those of the same stream without the flag
+    plain, withstats = _openai_stream(srv, prompts[2], False), _openai_stream(srv, prompts[2], True)
+    assert [c["choices"][0].get("text") for c in plain if c.get("choices")] == \
+        [c["choices"][0].get("text") for c in withstats if c.get("choices")]
+    # no chunk is added before or between tokens (SGLang's own sglext-only chunk follows the last one)
+    assert [bool(c.get("choices")) for c in plain] == [bool(c.get("choices")) for c in withstats][: len(plain)]
+    assert not any(c.get("choices") for c in withstats[len(plain):])
+    assert not any((c.get("sglext") or {}).get("spec_tokens_details") for c in plain[:-2])
+    rounds = 0
+    token_chunks = [c for c in withstats if c.get("choices") and c["choices"][0].get("finish_reason") is None]
+    assert len(token_chunks) > 2
+    for c in token_chunks[1:]:  # the first one is the prefill's token: no round yet
+        d = c["sglext"]["spec_tokens_details"]
+        assert d["spec_verify_ct"] >= rounds and sum(d["spec_correct_drafts_histogram"]) == d["spec_verify_ct"]
+        rounds = d["spec_verify_ct"]
+        assert "cached_tokens" in c["sglext"]
+    assert rounds > 0
+    info = srv.server_info()
+    rec = info["internal_states"][0]["dspark_info_record"]
+    assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",
+                                                                   "commit", "extend"}

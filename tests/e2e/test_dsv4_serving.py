@@ -20,10 +20,8 @@ N_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def tiny_dsv4(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    return write_checkpoint(str(tmp_path_factory.mktemp("dsv4") / "flash"), "flash", "dspark")
+def tiny_dsv4(tiny_checkpoint):
+    return tiny_checkpoint("flash", "dspark")
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +59,21 @@ def used_tokens(srv) -> int:
         return json.loads(r.read())["loads"][0]["num_used_tokens"]
 
 
-def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids, start_server):
+def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids, servers):
     expected = hf_greedy(tiny_dsv4, prompt_ids, N_NEW)
     # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
     # Mixed chunks: decode tokens of running requests ride along with prefill chunks (MIXED mode).
     # The radix cache is off here: these prompts repeat, and hits would shorten the prefills whose
     # overlap with running decodes this test is about (hits are test_prefix_cache_serving.py's).
-    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "128", "--enable-mixed-chunk", "--disable-radix-cache")
+    srv = servers.get(tiny_dsv4, "--chunked-prefill-size", "128", "--enable-mixed-chunk", "--disable-radix-cache")
     # Idle before any request: SGLang's scheduler polls in a busy loop unless it sleeps on idle,
-    # which the CPU platform turns on (measured: ~1.0 core without, ~0.02 with).
+    # which the CPU platform turns on (measured: ~1.0 core without, ~0.02 with). Startup's own
+    # work settles first (1 s windows, at most 20 s); a polling scheduler never settles.
     from sglang_dsv4_ascend.tools.server import idle_cores
 
-    time.sleep(2)
+    deadline = time.monotonic() + 20
+    while idle_cores(srv, 1.0) >= 0.1 and time.monotonic() < deadline:
+        pass
     idle = idle_cores(srv, 5.0)
     assert idle < 0.1, f"an idle server used {idle:.2f} cores"
     info = srv.server_info()
@@ -107,7 +108,7 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     t.join(timeout=60)
     assert outs == expected
     # Prefill chunks ran while other requests were decoding (merged into MIXED batches).
-    assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_text())
+    assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_since())
     assert victim_result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(victim_result["out"]["output_ids"]) < 4000
 

@@ -21,7 +21,6 @@ import pytest
 from spec_prompts import check_replay_pattern, replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
-from sglang_dsv4_ascend.tools.server import SGLangServer
 
 pytestmark = pytest.mark.e2e
 
@@ -34,19 +33,13 @@ CONFIGS = {
 }
 
 
-def _server(ckpt, *args, env=None):
-    return SGLangServer(ckpt, *POOL, *args, env=env, startup_timeout=300)
-
-
-def spec_server(ckpt, config, *args, env=None):
-    return _server(ckpt, "--speculative-algorithm", "nextn", *CONFIGS[config], *args, env=env)
+def spec_server(servers, ckpt, config, *args, env=None):
+    return servers.get(ckpt, *POOL, "--speculative-algorithm", "nextn", *CONFIGS[config], *args, env=env)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    return write_checkpoint(str(tmp_path_factory.mktemp("nextn") / "flash"), "flash", "nextn")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("flash", "nextn")
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +48,23 @@ def prompts(ckpt):
 
 
 @pytest.fixture(scope="module")
-def nospec(ckpt):
-    with _server(ckpt) as srv:
-        yield srv
+def reference(server_pool, ckpt, prompts):
+    srv = server_pool.get(ckpt, *POOL)
+    return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def reference(nospec, prompts):
-    return [nospec.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+def replay_file(tmp_path_factory, prompts, reference):
+    """The replay drafter's file for `modes`, written once per set of modes (the servers that
+    read it are shared: the same modes give the same file path, hence the same server)."""
+    files = {}
+
+    def get(modes):
+        if tuple(modes) not in files:
+            files[tuple(modes)] = replay_drafter(tmp_path_factory.mktemp("replay"), prompts, reference, modes)
+        return files[tuple(modes)]
+
+    return get
 
 
 def _concurrent(srv, prompts, **kw):
@@ -71,7 +73,7 @@ def _concurrent(srv, prompts, **kw):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_nextn_equals_no_speculation(ckpt, prompts, reference, config):
+def test_greedy_nextn_equals_no_speculation(servers, ckpt, prompts, reference, config):
     """The real NextN head, single and 8 concurrent requests; the chain server also prefills in
     128-token chunks with mixed chunks: running requests then ride along a prefill chunk as plain
     one-token decodes (SGLang's spec-v2 mixed step), and their draft state comes from that step."""
@@ -79,28 +81,36 @@ def test_greedy_nextn_equals_no_speculation(ckpt, prompts, reference, config):
     # prefills would not overlap the decodes this checks; hits under speculation are
     # test_prefix_cache_serving.py's)
     extra = ("--chunked-prefill-size", "128", "--enable-mixed-chunk", "--disable-radix-cache") if config == "chain3" else ()
-    with spec_server(ckpt, config, *extra) as srv:
-        assert "dsv4_ascend NextN worker" in srv.log_text()
-        for p, want in zip(prompts[:3], reference):
-            out = srv.generate(p, N_NEW, ignore_eos=True)
-            assert out["output_ids"] == want
-            assert out["meta_info"]["spec_verify_ct"] > 0
-        outs = _concurrent(srv, prompts)
-        assert [o["output_ids"] for o in outs] == reference
-        if extra:  # prefill chunks ran while requests were decoding: mixed steps happened
-            assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_text())
+    srv = spec_server(servers, ckpt, config, *extra)
+    assert "dsv4_ascend NextN worker" in srv.log_text()
+    for p, want in zip(prompts[:3], reference):
+        out = srv.generate(p, N_NEW, ignore_eos=True)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["spec_verify_ct"] > 0
+    outs = _concurrent(srv, prompts)
+    assert [o["output_ids"] for o in outs] == reference
+    if extra:  # prefill chunks ran while requests were decoding: mixed steps happened
+        assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_since())
 
 
-@pytest.mark.parametrize("config,modes", [
-    ("chain3", ["full", "partial:1", "zero", "cycle", "full", "partial:2", "zero", "full"]),
-    ("tree4", ["full", "sibling", "zero", "cycle", "sibling", "partial:1", "full", "zero"]),
-])
-def test_replay_drives_full_partial_and_zero_acceptance(ckpt, prompts, reference, tmp_path, config, modes):
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
+REPLAY = {
+    "chain3": ["full", "partial:1", "zero", "cycle", "full", "partial:2", "zero", "full"],
+    "tree4": ["full", "sibling", "zero", "cycle", "sibling", "partial:1", "full", "zero"],
+}
+
+
+def replay_server(servers, ckpt, replay_file, config):
+    env = {TEST_DRAFTER_ENV: replay_file(REPLAY[config])}
+    return spec_server(servers, ckpt, config, "--chunked-prefill-size", "128", env=env)
+
+
+@pytest.mark.parametrize("config", list(REPLAY))
+def test_replay_drives_full_partial_and_zero_acceptance(servers, ckpt, prompts, reference, replay_file, config):
+    modes = REPLAY[config]
     steps = 3
-    with spec_server(ckpt, config, "--chunked-prefill-size", "128", env=env) as srv:
-        assert "TEST replay drafter" in srv.log_text()
-        outs = _concurrent(srv, prompts)
+    srv = replay_server(servers, ckpt, replay_file, config)
+    assert "TEST replay drafter" in srv.log_text()
+    outs = _concurrent(srv, prompts)
     assert [o["output_ids"] for o in outs] == reference
     for mode, out in zip(modes, outs):
         check_replay_pattern(out, mode, steps)
@@ -111,31 +121,36 @@ def used_tokens(srv) -> int:
         return json.loads(r.read())["loads"][0]["num_used_tokens"]
 
 
-def test_abort_mid_speculation_frees_the_cache(ckpt, prompts, reference, tmp_path):
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, ["cycle"] * len(prompts))}
-    with spec_server(ckpt, "tree2", env=env) as srv:
-        idle = used_tokens(srv)
-        victim = {"input_ids": prompts[0], "rid": "victim",
-                  "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
-        result = {}
-        t = threading.Thread(target=lambda: result.setdefault("out", srv.post("/generate", victim)))
-        t.start()
-        deadline = time.monotonic() + 60
-        while used_tokens(srv) <= idle + len(prompts[0]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert used_tokens(srv) > idle, "the victim never held any cache"
-        time.sleep(1.0)  # several speculative rounds
-        srv.post("/abort_request", {"rid": "victim"})
-        t.join(timeout=60)
-        out = result["out"]
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert out["meta_info"]["spec_verify_ct"] > 0
-        deadline = time.monotonic() + 30
-        while used_tokens(srv) != idle and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert used_tokens(srv) == idle
-        # the server still serves, losslessly
-        assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
+def test_abort_mid_speculation_frees_the_cache(servers, ckpt, prompts, reference, replay_file):
+    """On the replay tree4 server (shared with the replay test; the victim's mode is full: every
+    round commits a whole path, so its cache grows round by round until the abort)."""
+    srv = replay_server(servers, ckpt, replay_file, "tree4")
+    idle = used_tokens(srv)
+    victim = {"input_ids": prompts[0], "rid": "victim",
+              "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", srv.post("/generate", victim)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while used_tokens(srv) <= idle + len(prompts[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_tokens(srv) > idle, "the victim never held any cache"
+    # several speculative rounds: the victim's cache grows past its prompt by 3 round's worth
+    held = used_tokens(srv)
+    while used_tokens(srv) < held + 3 * 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert used_tokens(srv) >= held + 3 * 4, "the victim made no speculative progress"
+    srv.post("/abort_request", {"rid": "victim"})
+    t.join(timeout=60)
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["spec_verify_ct"] > 0
+    deadline = time.monotonic() + 30
+    while used_tokens(srv) != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_tokens(srv) == idle
+    # the server still serves, losslessly
+    assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
 
 
 def _samples(srv, prompt, n_requests, n_per):
@@ -180,18 +195,18 @@ def sharp_ckpt(ckpt, tmp_path_factory):
     return str(out)
 
 
-def test_sampled_speculation_matches_the_target_distribution(sharp_ckpt, prompts, tmp_path):
+def test_sampled_speculation_matches_the_target_distribution(servers, sharp_ckpt, prompts, tmp_path):
     """Temperature 0.8 with the replay drafter proposing the greedy continuation: proposals are
     accepted or rejected by rejection sampling, and the emitted tokens must be distributed as
     without speculation. 1600 samples per side (two-sample chi-square over the most frequent
     tokens, p > 1e-3) detect a 5 % shift of probability mass between tokens with high power."""
     prompt = prompts[0][:24]
-    with _server(sharp_ckpt) as base_srv:
-        ref = base_srv.generate(prompt, 8)["output_ids"]
-        base, _ = _samples(base_srv, prompt, 25, 64)
+    base_srv = servers.get(sharp_ckpt, *POOL)
+    ref = base_srv.generate(prompt, 8)["output_ids"]
+    base, _ = _samples(base_srv, prompt, 25, 64)
     env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, [prompt], [ref], ["full"])}
-    with spec_server(sharp_ckpt, "chain3", "--random-seed", "1", env=env) as srv:
-        spec, accepted = _samples(srv, prompt, 25, 64)
+    srv = spec_server(servers, sharp_ckpt, "chain3", "--random-seed", "1", env=env)
+    spec, accepted = _samples(srv, prompt, 25, 64)
     assert len(base) == len(spec) == 1600
     # proposals of both outcomes: accepted drafts, and rounds where the first was rejected
     assert 200 < accepted < 0.9 * 3 * 1600, f"{accepted} accepted drafts"

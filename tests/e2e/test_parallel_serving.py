@@ -28,16 +28,15 @@ from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 pytestmark = pytest.mark.e2e
 
 N_NEW = 16
+POOL = ("--max-total-tokens", "32768")
 TP2 = ("--tp-size", "2")
 DP_ATTN = ("--dp-size", "2", "--enable-dp-attention")  # attention TP 1: each rank its own requests
 DESYNC_MARK = "speculative decisions differ across TP ranks"
 
 
 @pytest.fixture(scope="module")
-def flash(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    return write_checkpoint(str(tmp_path_factory.mktemp("tp") / "flash"), "flash", "dspark")
+def flash(tiny_checkpoint):
+    return tiny_checkpoint("flash", "dspark")
 
 
 @pytest.fixture(scope="module")
@@ -64,52 +63,45 @@ def _ids(outs):
 
 
 @pytest.fixture(scope="module")
-def flash_want(flash, flash_prompts):
-    """The one-rank greedy output of each prompt, alone."""
-    with SGLangServer(flash) as ref:
-        return _ids(_run(ref, flash_prompts)[0])
+def flash_want(server_pool, flash, flash_prompts):
+    """The one-rank greedy output of each prompt, alone (test_dspark_serving.py's reference server)."""
+    return _ids(_run(server_pool.get(flash, *POOL), flash_prompts)[0])
 
 
-def test_tp2_and_ep2_equal_one_rank(start_server, flash, flash_prompts, flash_want):
+def test_tp2_and_ep2_equal_one_rank(servers, flash, flash_prompts, flash_want):
     want = flash_want
     for flags, holds in [(TP2, "moe_tp 1/2"), (TP2 + ("--ep-size", "2"), "moe_ep 1/2"),
                          (TP2 + DP_ATTN + ("--ep-size", "2"), "attn_tp 0/1, dp 1/2, moe_ep 1/2")]:
-        srv = start_server(flash, *flags)
+        srv = servers.get(flash, *POOL, *flags)
         single, together = _run(srv, flash_prompts)
         assert _ids(single) == want, flags
         assert _ids(together) == want, flags
         log = srv.log_text()
         assert "dsv4_ascend DeepSeek-V4 layout: rank 1/2" in log and holds in log, flags
-        srv.stop()
 
 
-def test_data_parallel_replicas_equal_one_rank(start_server, flash, flash_prompts, flash_want):
+def test_data_parallel_replicas_equal_one_rank(servers, flash, flash_prompts, flash_want):
     """Plain --dp-size 2: two one-rank replicas behind SGLang's DP controller (requests split
     between them), each the one-rank model."""
     want = flash_want
-    srv = start_server(flash, "--dp-size", "2")
+    srv = servers.get(flash, *POOL, "--dp-size", "2")
     single, together = _run(srv, flash_prompts)
     assert _ids(single) == want and _ids(together) == want
     assert " DP1]" in srv.log_text() and " DP0]" in srv.log_text()  # two scheduler processes
 
 
 @pytest.fixture(scope="module")
-def flash_w8a8(flash, tmp_path_factory):
-    from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
-
-    out = str(tmp_path_factory.mktemp("tp") / "flash_w8a8")
-    quantize_checkpoint(flash, out, "dynamic", num_calib=4, progress=False)
-    return out
+def flash_w8a8(w8a8_checkpoint):
+    return w8a8_checkpoint("flash", "dspark")
 
 
-def test_w8a8_on_two_ranks_equals_one(start_server, flash_w8a8, flash_prompts):
-    ref = start_server(flash_w8a8, "--quantization", "w8a8_ascend")
+def test_w8a8_on_two_ranks_equals_one(servers, flash_w8a8, flash_prompts):
+    # the one-rank W8A8 server is test_w8a8_serving.py's
+    ref = servers.get(flash_w8a8, "--quantization", "w8a8_ascend")
     want = _ids(_run(ref, flash_prompts)[0])
-    ref.stop()
     for dp in ((), DP_ATTN):
-        srv = start_server(flash_w8a8, "--quantization", "w8a8_ascend", *TP2, "--ep-size", "2", *dp)
+        srv = servers.get(flash_w8a8, "--quantization", "w8a8_ascend", *TP2, "--ep-size", "2", *dp)
         _agrees(_run(srv, flash_prompts), want)
-        srv.stop()
 
 
 def _agrees(runs, want):
@@ -126,6 +118,7 @@ def _agrees(runs, want):
 
 
 def test_w8a8_with_split_experts_is_refused(flash_w8a8):
+    # owns its server: a startup refusal
     with pytest.raises(ServerFailed) as err:
         SGLangServer(flash_w8a8, "--quantization", "w8a8_ascend", *TP2, startup_timeout=120).start()
     assert "--ep-size 2" in str(err.value) and "--quantization w8a8_ascend with --tp-size 2" in str(err.value)
@@ -140,19 +133,19 @@ def chat():
 
 
 @pytest.fixture(scope="module")
-def chat_reference(chat):
-    with SGLangServer(pkg.TINY_MODEL_PATH, *headline.POOL) as srv:
-        return _ids(_run(srv, chat)[0])
+def chat_reference(server_pool, chat):
+    # the trained model's no-speculation server, shared with test_trained_tiny.py
+    return _ids(_run(server_pool.get(pkg.TINY_MODEL_PATH, *headline.POOL), chat)[0])
 
 
 @pytest.mark.parametrize("method,dp", [("nextn_chain", ()), ("nextn_tree2", ()), ("dspark_adaptive", ()),
                                        ("nextn_tree2", DP_ATTN), ("dspark_adaptive", DP_ATTN)])
-def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, chat_reference, method, dp):
+def test_speculation_on_two_ranks_is_lossless_and_in_sync(servers, chat, chat_reference, method, dp):
     """Under DP attention each rank drafts and verifies its own requests while the other
     prefills, verifies or idles in the same step, their target forwards meeting in the MoE
     exchange; concurrent requests spread over both DP ranks."""
     path, env, flags = headline.METHODS[method]
-    srv = start_server(path, *headline.POOL, *flags, *TP2, *dp, env={**env, CHECK_ENV: "1"})
+    srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env={**env, CHECK_ENV: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference
     assert _ids(together) == chat_reference
@@ -167,7 +160,7 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(start_server, chat, ch
 
 
 @pytest.mark.parametrize("dp,modes", [((), ["full", "partial:1", "zero"]), (DP_ATTN, ["sibling", "cycle", "zero"])])
-def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(start_server, chat, chat_reference, tmp_path,
+def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(servers, chat, chat_reference, tmp_path,
                                                                       dp, modes):
     """The trained drafts accept only partly; the replay drafter drives every acceptance pattern on
     purpose (NextN tree topk 2, 3 steps), so full commits, partial paths, non-first siblings and
@@ -176,7 +169,7 @@ def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(start_serve
     its mode's, and the decision check stays silent."""
     path, _, flags = headline.METHODS["nextn_tree2"]
     env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, chat, chat_reference, modes), CHECK_ENV: "1"}
-    srv = start_server(path, *headline.POOL, *flags, *TP2, *dp, env=env)
+    srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env=env)
     assert "TEST replay drafter" in srv.log_text()
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference and _ids(together) == chat_reference
@@ -186,18 +179,18 @@ def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(start_serve
     assert DESYNC_MARK not in srv.log_text()
 
 
-def test_dp_groups_with_attention_tp2_decide_in_sync(start_server, chat, chat_reference):
+def test_dp_groups_with_attention_tp2_decide_in_sync(servers, start_server, chat, chat_reference):
     """--tp-size 4 --dp-size 2 --enable-dp-attention: two DP groups of two attention-TP ranks.
     Greedy NextN == no speculation; within each group the decisions agree over greedy and sampled
     requests (check silent), and a group member whose accept seed is offset is caught."""
     path, env, flags = headline.METHODS["nextn_chain"]
     layout = (*headline.POOL, *flags, "--tp-size", "4", *DP_ATTN)
-    srv = start_server(path, *layout, env={**env, CHECK_ENV: "1"})
+    srv = servers.get(path, *layout, env={**env, CHECK_ENV: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference and _ids(together) == chat_reference
     _run(srv, chat, temperature=1.0)
     assert "attn_tp 1/2, dp 1/2" in srv.log_text() and DESYNC_MARK not in srv.log_text()
-    srv.stop()
+    # owns this one: the check stops its scheduler
     srv = start_server(path, *layout, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
     with pytest.raises(Exception):
         for p in chat:
@@ -206,6 +199,7 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(start_server, chat, chat_re
 
 
 def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
+    # owns its server: the check stops its scheduler
     path, env, flags = headline.METHODS["nextn_chain"]
     srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
     with pytest.raises(Exception):
@@ -220,6 +214,7 @@ def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
     (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused_by_flag(flash, flags, flag):
+    # owns its server: a startup refusal
     with pytest.raises(ServerFailed) as err:
         SGLangServer(flash, *flags, startup_timeout=120).start()
     assert flag in str(err.value), str(err.value)[-2000:]

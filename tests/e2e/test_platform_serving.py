@@ -26,7 +26,7 @@ def _hf_greedy(model_path, prompt_ids, n):
     return out
 
 
-def test_cpu_platform_serves_like_hf(tiny_llama, start_server):
+def test_cpu_platform_serves_like_hf(tiny_llama, servers):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -35,7 +35,7 @@ def test_cpu_platform_serves_like_hf(tiny_llama, start_server):
     n = 12
     expected = _hf_greedy(tiny_llama, prompt_ids, n)
 
-    srv = start_server(tiny_llama)
+    srv = servers.get(tiny_llama)
     info = srv.server_info()
     # Defaults that only our platform declares (the user passed none of them).
     assert info["device"] == "cpu"
@@ -55,7 +55,8 @@ def test_cpu_platform_serves_like_hf(tiny_llama, start_server):
 
 
 def test_same_command_fails_without_our_platform(tiny_llama):
-    """Stock SGLang's own CPU flags get past the main process and die in the scheduler."""
+    """Stock SGLang's own CPU flags get past the main process and die in the scheduler (owns its
+    server: a startup failure)."""
     from sglang_dsv4_ascend.tools.server import SGLangServer
 
     srv = SGLangServer(tiny_llama, "--device", "cpu", "--attention-backend", "torch_native",

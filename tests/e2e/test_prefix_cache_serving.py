@@ -20,10 +20,8 @@ PAGE = 128
 
 
 @pytest.fixture(scope="module")
-def tiny_dsv4(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    return write_checkpoint(str(tmp_path_factory.mktemp("dsv4_prefix") / "flash"), "flash", "nextn")
+def tiny_dsv4(tiny_checkpoint):
+    return tiny_checkpoint("flash", "nextn")
 
 
 def _ids(n, seed):
@@ -73,21 +71,19 @@ def _used(srv) -> int:
 
 
 @pytest.fixture(scope="module")
-def cold_outputs(tiny_dsv4):
+def cold_outputs(server_pool, tiny_dsv4):
     """Greedy outputs of every prompt with the radix cache off: each computed from position 0."""
-    from sglang_dsv4_ascend.tools.server import SGLangServer
-
     prompts = [p for _, e, q, _ in CASES for p in (e, q)]
     prompts += [SYSTEM + _ids(40, 100 + i) for i in range(6)]
     prompts += [_ids(700, 200 + i) for i in range(6)]
     prompts += BRANCHING
-    with SGLangServer(tiny_dsv4, "--disable-radix-cache") as srv:
-        assert srv.server_info()["disable_radix_cache"] is True
-        return {tuple(p): srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts}
+    srv = server_pool.get(tiny_dsv4, "--disable-radix-cache")
+    assert srv.server_info()["disable_radix_cache"] is True
+    return {tuple(p): srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts}
 
 
-def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, start_server):
-    srv = start_server(tiny_dsv4, "--chunked-prefill-size", "256", "--enable-mixed-chunk")
+def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, servers):
+    srv = servers.get(tiny_dsv4, "--chunked-prefill-size", "256", "--enable-mixed-chunk")
     info = srv.server_info()
     assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "dsv4_ascend"
     assert "radix (prefix) cache disabled" not in srv.log_text()
@@ -118,11 +114,11 @@ def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, start_server):
     assert _used(srv) == idle
 
 
-def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, start_server):
+def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, servers):
     """A token pool of 2048 tokens and 3 prefix states for 700-token prompts: the tree and the
     state store both evict while requests run; every output equals cold serving, none fails."""
-    srv = start_server(tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3",
-                       env={"SGLANG_DSV4_PREFIX_STATES": "3"})
+    srv = servers.get(tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3",
+                      env={"SGLANG_DSV4_PREFIX_STATES": "3"})
     idle = _used(srv)
     long = [_ids(700, 200 + i) for i in range(6)]
     with ThreadPoolExecutor(3) as ex:
@@ -176,7 +172,7 @@ def code_prompt():
 
 
 @pytest.mark.parametrize("method", ["nextn_chain", "nextn_tree4", "dspark_static"])
-def test_speculative_prefix_hit_drafts_like_cold(method, code_prompt, start_server):
+def test_speculative_prefix_hit_drafts_like_cold(method, code_prompt, servers):
     """With speculation the prefix cache stays on: a request that resumes a 256-token prefix
     another request left (target, NextN window / DSpark context restored from the state) gives
     the same greedy tokens AND the same per-round acceptance as the same request served cold on
@@ -185,12 +181,14 @@ def test_speculative_prefix_hit_drafts_like_cold(method, code_prompt, start_serv
     from sglang_dsv4_ascend.bench import headline
 
     ckpt, env, flags = headline.METHODS[method]
-    srv = start_server(ckpt, *flags, env=env)
+    # the headline methods' servers, shared with test_trained_tiny.py: earlier tests' prefixes go first
+    srv = servers.get(ckpt, *headline.POOL, *flags, env=env)
     assert srv.server_info()["disable_radix_cache"] is False
 
     def gen(ids):
         return srv.generate(ids, 32, ignore_eos=True)
 
+    _flush(srv)
     cold = gen(code_prompt)
     assert cold["meta_info"]["cached_tokens"] == 0
     assert cold["meta_info"]["spec_accept_length"] > 1.5, cold["meta_info"]  # drafts really accepted

@@ -24,15 +24,8 @@ PROBE = {"input_ids": [5, 77, 300, 12, 9, 640, 41, 2, 18, 999, 3, 64, 128, 256, 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-    from sglang_dsv4_ascend.tools.server import SGLangServer
-
-    d = write_checkpoint(str(tmp_path_factory.mktemp("dsv4") / "flash"), "flash", "nextn")
-    srv = SGLangServer(d, env={"SGLANG_DSV4_MAX_REQUEST_BYTES": str(256 << 10)})
-    srv.start()
-    yield srv
-    srv.stop()
+def server(server_pool, tiny_checkpoint):
+    return server_pool.get(tiny_checkpoint("flash", "nextn"), env={"SGLANG_DSV4_MAX_REQUEST_BYTES": str(256 << 10)})
 
 
 def send(srv, path, body, *, raw: bytes | None = None, ctype="application/json"):

@@ -15,7 +15,6 @@ from prompts import load_prompts
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.tools.server import SGLangServer
 from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +30,9 @@ POOL = headline.POOL
 FLOORS = {"nextn_chain": 0.9, "nextn_tree2": 1.0, "dspark_static": 1.0, "dspark_adaptive": 0.8}
 
 
-@pytest.fixture(scope="module")
+# session scope: the run order interleaves this file's method tests with the prefix-cache tests
+# that share their servers (tests/e2e/conftest.py SCHEDULE)
+@pytest.fixture(scope="session")
 def prompts():
     from transformers import AutoTokenizer
 
@@ -39,10 +40,10 @@ def prompts():
     return [tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)]
 
 
-@pytest.fixture(scope="module")
-def reference(prompts):
-    with SGLangServer(pkg.TINY_MODEL_PATH, *POOL) as srv:
-        return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+@pytest.fixture(scope="session")
+def reference(server_pool, prompts):
+    srv = server_pool.get(pkg.TINY_MODEL_PATH, *POOL)  # shared with test_parallel_serving.py
+    return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
 
 
 def _concurrent(srv, prompts):
@@ -65,28 +66,31 @@ def test_the_completion_is_readable_code(reference):
     assert text.startswith("```python\n") and ("def " in text or "return" in text), text
 
 
-def test_nextn_variant_has_the_same_trunk(prompts, reference):
-    with SGLangServer(pkg.TINY_NEXTN_MODEL_PATH, *POOL) as srv:
-        assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
+def test_nextn_variant_has_the_same_trunk(servers, prompts, reference):
+    srv = servers.get(pkg.TINY_NEXTN_MODEL_PATH, *POOL)
+    assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_equals_no_speculation_and_drafts_are_accepted(prompts, reference, method):
+# DSpark adaptive (the README's main command) is the smoke test of `scripts/test.sh --quick`
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.smoke) if m == "dspark_adaptive" else m
+                                    for m in METHODS])
+def test_greedy_equals_no_speculation_and_drafts_are_accepted(servers, prompts, reference, method):
+    # the servers of the headline methods are shared (test_prefix_cache_serving.py, test_bench_serve.py)
     path, env, args = METHODS[method]
-    with SGLangServer(path, *POOL, *args, env=env, startup_timeout=300) as srv:
-        if method.startswith("dspark"):
-            assert "confidence temperatures: " + pkg.TINY_STS_PATH in srv.log_text()  # the shipped calibration
-        single = srv.generate(prompts[0], N_NEW, ignore_eos=True)
-        assert single["output_ids"] == reference[0]
-        outs = _concurrent(srv, prompts)
-        assert [o["output_ids"] for o in outs] == reference
-        rates = [accepted_per_round(o["meta_info"]) for o in [single] + outs]
-        mean = sum(rates) / len(rates)
-        print(f"{method}: accepted drafts per round {mean:.3f} (per request {[round(r, 2) for r in rates]})")
-        assert mean >= FLOORS[method], (method, rates)
+    srv = servers.get(path, *POOL, *args, env=env)
+    if method.startswith("dspark"):
+        assert "confidence temperatures: " + pkg.TINY_STS_PATH in srv.log_text()  # the shipped calibration
+    single = srv.generate(prompts[0], N_NEW, ignore_eos=True)
+    assert single["output_ids"] == reference[0]
+    outs = _concurrent(srv, prompts)
+    assert [o["output_ids"] for o in outs] == reference
+    rates = [accepted_per_round(o["meta_info"]) for o in [single] + outs]
+    mean = sum(rates) / len(rates)
+    print(f"{method}: accepted drafts per round {mean:.3f} (per request {[round(r, 2) for r in rates]})")
+    assert mean >= FLOORS[method], (method, rates)
 
 
-def test_w8a8_version_serves(tmp_path, prompts, reference):
+def test_w8a8_version_serves(servers, tmp_path, prompts, reference):
     """The quantize tool's W8A8 version of the shipped model serves and, on the first tokens of a
     greedy completion, agrees with the fp32 model (INT8 weights and activations move the logits a
     little, so the tail may part ways)."""
@@ -94,8 +98,8 @@ def test_w8a8_version_serves(tmp_path, prompts, reference):
 
     out = str(tmp_path / "w8a8")
     quantize_checkpoint(pkg.TINY_MODEL_PATH, out, progress=False)
-    with SGLangServer(out, *POOL, "--quantization", "w8a8_ascend") as srv:
-        got = srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"]
+    srv = servers.get(out, *POOL, "--quantization", "w8a8_ascend")
+    got = srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"]
     assert len(got) == N_NEW
     agree = next((i for i, (a, b) in enumerate(zip(got, reference[0])) if a != b), N_NEW)
     assert agree >= 8, (agree, got, reference[0])

@@ -30,17 +30,14 @@ def _greedy(model, prompts, n):
     return outs
 
 
-def test_w8a8_checkpoint_served_equals_in_process_model(tmp_path, start_server):
+def test_w8a8_checkpoint_served_equals_in_process_model(tiny_checkpoint, w8a8_checkpoint, servers):
     from transformers import AutoTokenizer
 
     from sglang_dsv4_ascend.models.weights import load_model_from_dir
     from sglang_dsv4_ascend.quantization.w8a8 import load_w8a8_model_from_dir
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-    from sglang_dsv4_ascend.tools.quantize_w8a8 import main as quantize
 
-    src = write_checkpoint(str(tmp_path / "bf16"), "flash", "dspark")
-    dst = str(tmp_path / "w8a8")
-    assert quantize([src, dst, "--scheme", "dynamic"]) in (0, None)
+    # written by the quantize tool's command line (--scheme dynamic), once per run
+    src, dst = tiny_checkpoint("flash", "dspark"), w8a8_checkpoint("flash", "dspark")
     tok = AutoTokenizer.from_pretrained(dst)
     prompts = [tok(t).input_ids[:120] for t in load_prompts("gsm8k", 2)]
 
@@ -49,6 +46,6 @@ def test_w8a8_checkpoint_served_equals_in_process_model(tmp_path, start_server):
     agree = sum(a == b for x, y in zip(w8a8, float_) for a, b in zip(x, y)) / (N_NEW * len(prompts))
     print(f"W8A8 vs float greedy token agreement: {agree:.2f}")
 
-    srv = start_server(dst, "--quantization", "w8a8_ascend")
+    srv = servers.get(dst, "--quantization", "w8a8_ascend")  # shared with test_parallel_serving.py
     for ids, want in zip(prompts, w8a8):
         assert srv.generate(ids, N_NEW, ignore_eos=True)["output_ids"] == want

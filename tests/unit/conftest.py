@@ -4,20 +4,12 @@ model loaded from them. Tests that mutate a model must build their own."""
 import pytest
 
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
-from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory):
-    """preset -> checkpoint dir (flash / pro, NextN draft)."""
-    dirs = {}
-
-    def get(preset):
-        if preset not in dirs:
-            dirs[preset] = write_checkpoint(str(tmp_path_factory.mktemp(f"dsv4_{preset}")), preset, "nextn")
-        return dirs[preset]
-
-    return get
+def tiny_ckpt(tiny_checkpoint):
+    """preset -> checkpoint dir (flash / pro, NextN draft; tests/conftest.py writes it once)."""
+    return lambda preset: tiny_checkpoint(preset, "nextn")
 
 
 @pytest.fixture(scope="session")
