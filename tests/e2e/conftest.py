@@ -65,6 +65,8 @@ def start_server(request):
     owned = []
 
     def _start(model_path, *args, env=None):
+        if _pool:  # one server at a time per test process: the pooled one is not needed meanwhile
+            _pool[0].release()
         s = SGLangServer(model_path, *args, env=env)
         owned.append(s)
         return s.start()
@@ -94,8 +96,9 @@ SCHEDULE = [
     ("ranks", "test_parallel_serving.py::test_tp2_and_ep2"),
     ("ranks", "test_parallel_serving.py::test_data_parallel"),
     ("ranks", "test_parallel_serving.py::test_a_layout"),
-    # speculation across ranks on the trained model
-    ("ranks-spec", "test_parallel_serving.py"),
+    # speculation across ranks on the trained model (one group with the above: two multi-rank
+    # servers at once on two cores starve each other's collectives)
+    ("ranks", "test_parallel_serving.py"),
     # DSpark on the random checkpoint; the trained model's methods, each server's users together
     ("spec", "test_dspark_serving.py"),
     ("spec", "test_trained_tiny.py::test_the_completion"),
