@@ -7,7 +7,13 @@ crash the scheduler process, and with it every other request in flight:
 * `input_ids` outside [0, vocab): the embedding gather indexes out of bounds (an IndexError on
   CPU; on an accelerator an out-of-range gather can read garbage or fault the device);
 * `top_logprobs_num` (OpenAI: completions `logprobs`, chat `top_logprobs`) above the vocabulary:
-  `topk` in SGLang's logprob processor raises "selected index k out of range".
+  `topk` in SGLang's logprob processor raises "selected index k out of range";
+* numeric sampling values that SGLang's own checks (`SamplingParams.verify` and the context-length
+  check) let through but its scheduler cannot hold: a `temperature` past float32's range (1e39 is
+  finite for SGLang's check but inf in the sampler's float32 tensor, and the speculative accept
+  step raised on it), `top_k` past int32 (the sampler's top-k tensor, with or without
+  speculation), `min_new_tokens` past int32 when `max_new_tokens` is null (the min-new-tokens
+  penalizer's tensor).
 
 Other requests are accepted and answered as if they said something else (the DeepSeek-V4 model
 ignores `input_embeds`; `text` together with `input_ids` silently uses the ids), or cost every
@@ -19,13 +25,34 @@ configurable limits:
                                     context token)); bigger bodies get 413 before they are read
     SGLANG_DSV4_MAX_N               largest `n` (parallel samples) per request (default 64)
 
+What `check_sampling` adds to SGLang's own checks, which already refuse a negative or non-finite
+temperature, top_p outside (0, 1], min_p outside [0, 1], penalties outside their ranges,
+max_new_tokens < 0 or past the context, min_new_tokens above max_new_tokens, sampling_seed outside
+int64 and logit_bias keys outside the vocabulary:
+
+    n                 an integer in [1, SGLANG_DSV4_MAX_N] (`n: 0` reached SGLang's range() as
+                      "range() arg 3 must not be zero"), checked before SGLang expands it
+    temperature       a number in [0, 3.4028235e38], float32's largest (the value SGLang's sampler
+                      and the speculative path compute with)
+    top_k             -1 (every token) or an integer >= 1, on every route and at any temperature
+                      (SGLang lets 0 through when the temperature is 0, so `top_k: 0` was a 200 or
+                      a 400 depending on the other fields). A top_k above the vocabulary keeps every
+                      token: it is served as -1 (clamped, not refused; SGLang's own "every token"
+                      value, 2**30, is above any vocabulary and clients send such values)
+    min_new_tokens    at most the context length
+    logit_bias        values in [-100, 100], OpenAI's documented range (a larger bias divided by a
+                      small temperature overflows float32 in the sampler)
+    stream_interval   an integer in [0, 2**31 - 1] (0: the server's --stream-interval)
+    stop_token_ids    token ids in [0, vocab)
+
 Where the checks run (all written down in patches/README.md):
 * `check_request` is called by a BEFORE hook on `TokenizerManager._validate_one_request`, the
   one per-request validation step SGLang runs for single, batched, OpenAI completion and chat
   requests, after tokenization and before anything is sent to the scheduler. A ValueError there
   becomes SGLang's own 400 response.
 * `normalize_hook` wraps `GenerateReqInput.normalize_batch_and_arguments`, which only reshapes
-  the client's fields: an error there is the client's and becomes a 400, not a 500.
+  the client's fields: an error there is the client's and becomes a 400, not a 500. `n` is
+  checked there, before SGLang expands the request into n copies.
 * `RequestGate` is an ASGI middleware added to SGLang's FastAPI app when the HTTP server
   launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
   SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
@@ -36,14 +63,18 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import struct
 
 MAX_N_ENV = "SGLANG_DSV4_MAX_N"
 MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
 DEFAULT_MAX_N = 64
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
-
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+LOGIT_BIAS_MAX = 100.0
 
 class RequestRejected(ValueError):
     """A request the server will not run; SGLang answers ValueErrors from validation with 400."""
@@ -75,6 +106,71 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fits_float32(x) -> bool:
+    """Whether x stays a finite number once stored as float32 (rounding as torch does)."""
+    try:
+        return math.isfinite(struct.unpack("f", struct.pack("f", float(x)))[0])
+    except OverflowError:  # an integer beyond float64 (older Pythons also refuse to round to inf)
+        return False
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def check_n(params: dict) -> None:
+    n = params.get("n", 1)
+    limit = max_n()
+    if not _is_int(n) or n < 1:
+        raise RequestRejected(f"n = {_short(n)}: expected an integer in [1, {limit}] (parallel samples per request)")
+    if n > limit:
+        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request, expected an integer in "
+                              f"[1, {limit}] ({MAX_N_ENV} to change)")
+
+
+def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = None) -> dict:
+    """Refuse (RequestRejected naming the field and its range) the numeric sampling values listed in
+    the module docstring. Returns the parameters to serve: `params` itself, or a copy whose top_k
+    above the vocabulary is -1."""
+    check_n(params)
+    t = params.get("temperature")
+    if _is_number(t) and not (_fits_float32(t) and t >= 0):
+        raise RequestRejected(f"temperature = {_short(t)}: expected a number in [0, {FLOAT32_MAX:.8g}] (float32, "
+                              "what the sampler computes in; 0 = greedy)")
+    k = params.get("top_k")
+    if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+        raise RequestRejected(f"top_k = {_short(k)}: expected -1 (every token) or an integer in [1, {vocab_size}] "
+                              "(the vocabulary size; a larger top_k keeps every token, as -1 does)")
+    if k is not None and k > vocab_size:
+        params = {**params, "top_k": -1}  # past int32 it would crash SGLang's sampler; the meaning is the same
+    m = params.get("min_new_tokens")
+    most = context_len or INT32_MAX
+    if _is_int(m) and m > most:
+        raise RequestRejected(f"min_new_tokens = {_short(m)}: expected an integer in [0, {most}] (the context length)")
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):
+        for token, b in bias.items():
+            if _is_number(b) and not (_fits_float32(b) and abs(b) <= LOGIT_BIAS_MAX):
+                raise RequestRejected(f"logit_bias[{token!r}] = {_short(b)}: expected a number in "
+                                      f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+    every = params.get("stream_interval")
+    if every is not None and (not _is_int(every) or not 0 <= every <= INT32_MAX):
+        raise RequestRejected(f"stream_interval = {_short(every)}: expected an integer in [0, {INT32_MAX}] "
+                              "(0: the server's --stream-interval)")
+    stops = params.get("stop_token_ids")
+    if isinstance(stops, (list, tuple, set)):
+        bad = next((i for i in stops if not _is_int(i) or not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"stop_token_ids: {_short(bad)} is not a token id in [0, {vocab_size}) "
+                                  "(the vocabulary)")
+    return params
+
+
 # Sampling fields the NextN worker's verify does not apply (SGLang applies them in its sampler,
 # which speculative verify bypasses): refused under speculation rather than silently ignored.
 # name -> the value that means "off".
@@ -99,12 +195,14 @@ def _speculative_problem(obj) -> str | None:
     return None
 
 
-def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None) -> None:
+def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None,
+                  context_len: int | None = None) -> None:
     """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
     be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
 
     Checks that prevent crashes apply to every model; refusals of inputs only our DeepSeek-V4
-    model cannot honour (`dsv4`) apply to it alone."""
+    model cannot honour (`dsv4`) apply to it alone. `obj.sampling_params` may be replaced by the
+    parameters to serve (`check_sampling`)."""
     if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
         raise RequestRejected("input_ids: the prompt is empty (a batch entry with no tokens?)")
     if input_ids:
@@ -128,11 +226,11 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
                 f"logprob_start_len = {start!r}: expected -1 (output tokens only) or an integer in "
                 f"[0, {n_in}) (the prompt has {n_in} tokens)"
             )
-    params = getattr(obj, "sampling_params", None) or {}
-    n = params.get("n", 1) if isinstance(params, dict) else 1
-    limit = max_n()
-    if n is not None and _is_int(n) and n > limit:
-        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request ({MAX_N_ENV} to change)")
+    params = getattr(obj, "sampling_params", None)
+    if isinstance(params, dict):
+        served = check_sampling(params, vocab_size=vocab_size, context_len=context_len)
+        if served is not params:
+            obj.sampling_params = served
     if not dsv4:
         return
     if getattr(obj, "input_embeds", None) is not None:
@@ -156,7 +254,8 @@ def validate_one_request_hook(self, obj, input_ids):
 
     arch = (getattr(hf, "architectures", None) or [None])[0]
     check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
-                  speculative=getattr(self.server_args, "speculative_algorithm", None))
+                  speculative=getattr(self.server_args, "speculative_algorithm", None),
+                  context_len=getattr(self, "context_len", None))
     return None
 
 
@@ -185,11 +284,16 @@ def normalize_hook(orig, self):
     """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
     reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
     escape as TypeError / IndexError / OverflowError (e.g. `n: null`, `sampling_params: []`,
-    `n: 2**63`), which become 500s; they become 400s here. input_embeds for DeepSeek-V4 is
+    `n: 2**63`), which become 500s; they become 400s here. `n` is checked first, before it
+    multiplies the request (and `n: 0` reaches a range() step). input_embeds for DeepSeek-V4 is
     refused here, first: SGLang's own refusal under the radix cache would send the user to
     --disable-radix-cache, after which ours would refuse it anyway."""
     if getattr(self, "input_embeds", None) is not None and _serves_dsv4():
         raise RequestRejected(INPUT_EMBEDS_REFUSED)
+    params = getattr(self, "sampling_params", None)
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict):
+            check_n(p)
     try:
         return orig(self)
     except _CLIENT_FAULTS as e:
@@ -332,3 +436,4 @@ def add_request_gate(server_args, *args, **kwargs):
         http_server.app.add_middleware(
             RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
     return None
+

@@ -137,3 +137,124 @@ def test_body_limit_middleware(client):
     assert r.status_code == 413 and "SGLANG_DSV4_MAX_REQUEST_BYTES" in r.json()["message"]
     assert c.get("/generate").status_code == 200  # bodiless methods pass
     assert seen == [1000, 0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Numeric sampling fields: what SGLang's own checks let through but its scheduler cannot hold.
+
+
+def sampling_ok(params, ctx=None):
+    return G.check_sampling(params, vocab_size=V, context_len=ctx)
+
+
+def sampling_refused(params, match, ctx=None):
+    with pytest.raises(G.RequestRejected, match=match):
+        G.check_sampling(params, vocab_size=V, context_len=ctx)
+
+
+def test_n_must_be_a_positive_integer():
+    for n in (1, 2, G.DEFAULT_MAX_N):
+        sampling_ok({"n": n})
+    for n in (0, -1, None, 1.5, True, "2"):
+        sampling_refused({"n": n}, r"n = .*: expected an integer in \[1, 64\]")
+
+
+def test_n_is_checked_before_sglang_expands_the_request():
+    """`n: 0` reached a range() step inside SGLang's normalization ("range() arg 3 must not be
+    zero"); the hook refuses it, naming n, before the original runs."""
+    ran = []
+    for params in ({"n": 0}, [{"n": 0}, {"n": 0}], {"n": G.DEFAULT_MAX_N + 1}):
+        obj = SimpleNamespace(input_embeds=None, sampling_params=params)
+        with pytest.raises(G.RequestRejected, match=r"^n = "):
+            G.normalize_hook(lambda self: ran.append(self), obj)
+    assert ran == []
+    G.normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params={"n": 2}))
+    G.normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params=None))
+    assert len(ran) == 2
+
+
+def test_temperature_must_fit_float32():
+    """1e39 is finite for SGLang's check but inf in the sampler's float32 tensor (the speculative
+    accept step raised on it in the scheduler)."""
+    for t in (0, 0.0, 1e-30, 0.7, 2, 3.4e38, G.FLOAT32_MAX):
+        assert sampling_ok({"temperature": t}) == {"temperature": t}
+    for t in (3.5e38, 1e39, 1e308, 10**39, 10**400, float("inf"), float("nan"), -1, -1e-9, float("-inf")):
+        sampling_refused({"temperature": t}, r"temperature = .*: expected a number in \[0, 3\.4028235e\+38\]")
+    sampling_ok({"temperature": None})  # SGLang's default
+
+
+def test_top_k_range_and_clamp():
+    """-1 or [1, vocab] as asked; above the vocabulary (also past int32, which crashed SGLang's
+    sampler) served as -1, every token, which is what such a top_k means; 0 refused whatever the
+    temperature, so every route answers it alike."""
+    for k in (-1, 1, 2, V):
+        params = {"top_k": k, "temperature": 0.7}
+        assert sampling_ok(params) is params
+    for k in (V + 1, 1 << 30, 2**31 - 1, 2**31, 10**12, 2**63, 10**400):
+        params = {"top_k": k, "temperature": 0.7}
+        assert sampling_ok(params) == {"top_k": -1, "temperature": 0.7}
+        assert params["top_k"] == k  # the client's dict is left alone
+    for k in (0, -2, -(2**31), 1.5, 5.0, True, "5"):
+        sampling_refused({"top_k": k}, rf"top_k = .*: expected -1 \(every token\) or an integer in \[1, {V}\]")
+    sampling_refused({"top_k": 0, "temperature": 0}, "top_k = 0")  # SGLang let this one through
+    ok_params = {"top_k": None}
+    assert sampling_ok(ok_params) is ok_params
+
+
+def test_check_request_serves_the_clamped_top_k():
+    obj = req(sampling_params={"top_k": 2**31, "max_new_tokens": 3})
+    ok(obj, [1, 2])
+    assert obj.sampling_params == {"top_k": -1, "max_new_tokens": 3}
+
+
+def test_min_new_tokens_is_bounded_by_the_context():
+    """With max_new_tokens null SGLang bounds min_new_tokens by nothing, and its penalizer holds
+    it in an int32 tensor."""
+    sampling_ok({"min_new_tokens": 4096}, ctx=4096)
+    sampling_refused({"min_new_tokens": 4097}, r"min_new_tokens = 4097: expected an integer in \[0, 4096\]", ctx=4096)
+    sampling_ok({"min_new_tokens": 2**31 - 1})
+    sampling_refused({"min_new_tokens": 2**31, "max_new_tokens": None}, r"min_new_tokens = .*\[0, 2147483647\]")
+
+
+def test_logit_bias_values_in_the_documented_range():
+    sampling_ok({"logit_bias": {"5": 100, "6": -100.0, "7": 0.5}})
+    for b in (100.5, -101, 1e39, 10**400, float("nan"), float("-inf")):
+        sampling_refused({"logit_bias": {"5": 1.0, "9": b}}, r"logit_bias\['9'\] = .*: expected a number in \[-100, 100\]")
+
+
+def test_stream_interval_and_stop_token_ids():
+    for every in (None, 0, 1, 2**31 - 1):
+        sampling_ok({"stream_interval": every})
+    for every in (-1, 2**31, 2**64 + 1, 1.5):
+        sampling_refused({"stream_interval": every}, r"stream_interval = .*: expected an integer in \[0, 2147483647\]")
+    sampling_ok({"stop_token_ids": [0, V - 1]})
+    sampling_ok({"stop_token_ids": None})
+    for bad in (V, -1, 2**64, 1.0):
+        sampling_refused({"stop_token_ids": [3, bad]}, rf"stop_token_ids: .* is not a token id in \[0, {V}\)")
+
+
+def test_plain_valid_sampling_passes_unchanged():
+    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "n": 4, "max_new_tokens": 8,
+              "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
+              "logit_bias": {"3": -100}, "stream_interval": 2, "stop_token_ids": [1], "sampling_seed": 7}
+    assert sampling_ok(dict(params), ctx=4096) == params
+
+
+def test_every_added_check_covers_a_value_sglangs_verify_accepts():
+    """The checks above are the gaps: SGLang 0.5.23's SamplingParams.verify lets each of these
+    through (and refuses what we leave to it)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    for kw in ({"temperature": 1e39}, {"n": 0}, {"min_new_tokens": 2**31, "max_new_tokens": None},
+               {"logit_bias": {"3": 1e39}}, {"stream_interval": 2**70}, {"stop_token_ids": [2**64]},
+               {"top_k": 0, "temperature": 0}):
+        SamplingParams(**kw).verify(V)
+        with pytest.raises(G.RequestRejected):
+            sampling_ok(kw)
+    SamplingParams(top_k=2**31).verify(V)
+    assert sampling_ok({"top_k": 2**31}) == {"top_k": -1}
+    for kw in ({"top_p": 0.0}, {"min_p": 1.5}, {"frequency_penalty": 3}, {"repetition_penalty": 0},
+               {"max_new_tokens": -1}, {"temperature": float("nan")}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw).verify(V)
+
