@@ -56,7 +56,7 @@ Where the checks run (all written down in patches/README.md):
 * `RequestGate` is an ASGI middleware added to SGLang's FastAPI app when the HTTP server
   launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
   SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
-  object belongs) gets a 400 naming the field.
+  object belongs, nesting deeper than MAX_JSON_DEPTH) gets a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
 LOGIT_BIAS_MAX = 100.0
+# Far deeper than any real request (chat content parts, JSON schemas, tools) and far below where
+# Python's json (a RecursionError) and the libraries after it give up (orjson parses 1024 levels
+# but serializes only 255: echoing or logging a deeper body fails).
+MAX_JSON_DEPTH = 64
+
 
 class RequestRejected(ValueError):
     """A request the server will not run; SGLang answers ValueErrors from validation with 400."""
@@ -304,9 +309,8 @@ def normalize_hook(orig, self):
 class RequestGate:
     """ASGI middleware in front of SGLang's routes: POST/PUT bodies larger than `max_body_bytes()`
     get 413 before anything parses them (Content-Length first, then what actually arrives), and
-    generation bodies of a shape SGLang's own parsing would answer with a 500 get a 400 that
-    names the field. The limit is resolved on the first request, once SGLang knows the context
-    length."""
+    bodies SGLang's own parsing would answer with a 500 (`shape_error`) get a 400 that names the
+    field. The limit is resolved on the first request, once SGLang knows the context length."""
 
     def __init__(self, app, context_len_fn=None):
         self.app = app
@@ -376,15 +380,36 @@ class RequestGate:
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
+def _deeper_than(data, limit: int) -> bool:
+    stack = [(data, 1)]  # no recursion: the point is to measure what would overflow it
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def shape_error(path: str, body: bytes) -> str | None:
-    """The structural fault of a generation request body that stock SGLang answers with a 500
-    (an AttributeError in a model validator), or None. A body that is not JSON at all is left to
+    """The structural fault of a request body that stock SGLang answers with a 500, or None:
+    for any route, JSON nested deeper than MAX_JSON_DEPTH (a RecursionError somewhere in the
+    parsing, or a 500 from a library after it); for the generation routes, shapes its model
+    validators call .get() on (an AttributeError). A body that is not JSON at all is left to
     SGLang, which answers 400."""
-    if path not in GENERATION_ROUTES:
+    nested = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH  # a cheap bound before walking anything
+    if path not in GENERATION_ROUTES and not nested:
         return None
+    too_deep = f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels"
     try:
         data = json.loads(body)
+    except RecursionError:
+        return too_deep
     except (ValueError, UnicodeDecodeError):
+        return None
+    if nested and _deeper_than(data, MAX_JSON_DEPTH):
+        return too_deep
+    if path not in GENERATION_ROUTES:
         return None
     if not isinstance(data, dict):
         return f"request body: expected a JSON object, got {type(data).__name__}"

@@ -2,6 +2,8 @@
 outside its range, names the field, and leaves valid requests alone; the body-size middleware
 refuses oversized bodies before the route reads them, with or without a Content-Length."""
 
+import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -257,4 +259,45 @@ def test_every_added_check_covers_a_value_sglangs_verify_accepts():
                {"max_new_tokens": -1}, {"temperature": float("nan")}):
         with pytest.raises(ValueError):
             SamplingParams(**kw).verify(V)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bodies SGLang's parsing answers with a 500
+
+
+def nested(depth: int, kind: str = "list") -> bytes:
+    inner = b"1"
+    for _ in range(depth):
+        inner = b"[" + inner + b"]" if kind == "list" else b'{"a":' + inner + b"}"
+    return inner
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_deeply_nested_bodies_are_refused(kind):
+    """A RecursionError in json (thousands of levels) or a 500 later (a few hundred) used to
+    escape the gate; any depth past MAX_JSON_DEPTH is now a 400, on every route."""
+    too_deep = rf"JSON nested deeper than {G.MAX_JSON_DEPTH} levels"
+    for depth in (G.MAX_JSON_DEPTH, 300, 5000, 100_000):  # body depth = depth + 1 with the wrapper object
+        body = b'{"text": "hi", "custom_params": ' + nested(depth, kind) + b"}"
+        for path in ("/generate", "/v1/chat/completions", "/encode"):
+            assert re.search(too_deep, G.shape_error(path, body) or ""), (path, depth)
+    ok_body = b'{"text": "hi", "custom_params": ' + nested(G.MAX_JSON_DEPTH - 1, kind) + b"}"
+    for path in ("/generate", "/v1/chat/completions", "/encode"):
+        assert G.shape_error(path, ok_body) is None
+
+
+def test_depth_check_leaves_flat_and_non_json_bodies_alone():
+    batch = {"input_ids": [[1, 2, 3]] * 500, "sampling_params": {"max_new_tokens": 1}}  # many brackets, depth 3
+    assert G.shape_error("/generate", json.dumps(batch).encode()) is None
+    assert G.shape_error("/generate", b'{"text": "' + b"[" * 500 + b'"}') is None  # brackets inside a string
+    assert G.shape_error("/v1/audio/transcriptions", b"\xff[[" * 200) is None  # not JSON: SGLang's to answer
+
+
+def test_gate_answers_deep_bodies_400(client):
+    c, seen = client
+    r = c.post("/generate", content=nested(400))
+    assert r.status_code == 400 and "nested deeper" in r.json()["message"]
+    r = c.post("/generate", content=b'{"text": ' + nested(100_000, "dict")[:900] + b"}")  # truncated: not JSON
+    assert r.status_code == 200  # left to the route (SGLang answers invalid JSON with 400)
+    assert seen == [len(b'{"text": ') + 900 + 1]
 
