@@ -57,6 +57,10 @@ Where the checks run (all written down in patches/README.md):
   launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
   SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
   object belongs, nesting deeper than MAX_JSON_DEPTH) gets a 400 naming the field.
+* `stream_refusals_hook` wraps `http_server.serve_generate_request`: a streamed /generate request
+  that any validation refuses gets the same 4xx as a non-streamed one instead of a 200 whose
+  stream carries the error. SGLang's OpenAI routes already do this (they wait for the first
+  chunk before answering); /generate now does the same.
 """
 
 from __future__ import annotations
@@ -462,3 +466,53 @@ def add_request_gate(server_args, *args, **kwargs):
             RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
     return None
 
+
+async def stream_refusals_hook(orig, obj, request):
+    """AROUND `http_server.serve_generate_request(obj, request)`: for a streamed request, pull the
+    stream's first chunk before the response starts. SGLang validates (and we refuse) inside that
+    stream, so a refusal used to arrive as `data: {"error": ...}` after a 200; it is now answered
+    with its own 4xx and the same error object. Otherwise the first chunk is put back in front of
+    the stream: the client gets the same bytes, its headers when the first output is ready (as
+    SGLang's OpenAI routes already do)."""
+    response = await orig(obj, request)
+    stream = getattr(response, "body_iterator", None)
+    if not getattr(obj, "stream", False) or not hasattr(stream, "aclose"):
+        return response
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:  # the client left before anything was produced
+        first = None
+    error = _sse_error(first)
+    if error is not None:
+        await stream.aclose()
+        from starlette.responses import JSONResponse
+
+        code = error.get("code")
+        status = code if _is_int(code) and 400 <= code < 600 else 400
+        # the stream's own clean-up (SGLang's abort of the request) still runs after the answer
+        return JSONResponse({"error": error}, status_code=status, background=response.background)
+    response.body_iterator = _prepended(first, stream)
+    return response
+
+
+def _sse_error(chunk) -> dict | None:
+    """The error object of a `data: {"error": {...}}` event (SGLang's in-stream refusal), else None."""
+    if not isinstance(chunk, (bytes, str)):
+        return None
+    raw = chunk.encode() if isinstance(chunk, str) else chunk
+    if not raw.startswith(b'data: {"error"'):
+        return None
+    try:
+        event = json.loads(raw[len(b"data: "):])
+    except ValueError:
+        return None
+    if isinstance(event, dict) and list(event) == ["error"] and isinstance(event["error"], dict):
+        return event["error"]
+    return None
+
+
+async def _prepended(first, rest):
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk

@@ -301,3 +301,98 @@ def test_gate_answers_deep_bodies_400(client):
     assert r.status_code == 200  # left to the route (SGLang answers invalid JSON with 400)
     assert seen == [len(b'{"text": ') + 900 + 1]
 
+
+# ------------------------------------------------------------------------------------------------
+# Streamed /generate refusals: a 4xx before the stream starts, through SGLang's own route code
+
+
+class FakeTokenizerManager:
+    """What `http_server.serve_generate_request` reads of the tokenizer manager: `generate_request`
+    (validation runs inside it, so a refusal is raised on the first pull) and the abort task."""
+
+    def __init__(self, refusal=None, outputs=()):
+        self.refusal, self.outputs, self.aborted = refusal, list(outputs), []
+
+    async def generate_request(self, obj, request):
+        if self.refusal:
+            raise G.RequestRejected(self.refusal)
+        for out in self.outputs:
+            yield out
+
+    def create_abort_task(self, obj):
+        from starlette.background import BackgroundTask
+
+        async def abort():
+            self.aborted.append(obj)
+
+        return BackgroundTask(abort)
+
+
+class FakeRequest:
+    headers = {}
+
+    async def is_disconnected(self):
+        return False
+
+
+async def body_of(response):
+    return b"".join([c if isinstance(c, bytes) else c.encode() async for c in response.body_iterator])
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    from sglang.srt.entrypoints import http_server
+
+    return http_server
+
+
+def serve(http_server, monkeypatch, tm, stream=True, hook=True):
+    import asyncio
+
+    monkeypatch.setattr(http_server, "_global_state", SimpleNamespace(tokenizer_manager=tm))
+    obj = SimpleNamespace(stream=stream, rid="r1")
+    orig = http_server.serve_generate_request
+
+    async def run():
+        response = await (G.stream_refusals_hook(orig, obj, FakeRequest()) if hook else orig(obj, FakeRequest()))
+        body = await body_of(response) if hasattr(response, "body_iterator") else response.body
+        if response.background is not None:
+            await response.background()
+        return response, body
+
+    return asyncio.run(run())
+
+
+def test_streamed_refusal_answers_400_before_the_stream(http_server, monkeypatch):
+    msg = "sampling_params.frequency_penalty = 0.5: not supported with --speculative-algorithm DSPARK"
+    # without the hook (stock SGLang): a 200 whose only event is the error
+    response, body = serve(http_server, monkeypatch, FakeTokenizerManager(refusal=msg), hook=False)
+    assert response.status_code == 200 and b'"error"' in body and msg.encode() in body
+    tm = FakeTokenizerManager(refusal=msg)
+    response, body = serve(http_server, monkeypatch, tm)
+    assert response.status_code == 400 and response.media_type == "application/json"
+    error = json.loads(body)["error"]
+    assert error["message"] == msg and error["code"] == 400
+    assert len(tm.aborted) == 1  # SGLang's clean-up of the request still runs
+
+
+def test_streams_that_pass_validation_are_unchanged(http_server, monkeypatch):
+    outs = [{"text": "a", "meta_info": {"id": "r1"}}, {"text": "ab", "meta_info": {"id": "r1", "finish_reason": None}}]
+    _, want = serve(http_server, monkeypatch, FakeTokenizerManager(outputs=outs), hook=False)
+    response, got = serve(http_server, monkeypatch, FakeTokenizerManager(outputs=outs))
+    assert response.status_code == 200 and got == want and got.endswith(b"data: [DONE]\n\n")
+    assert got.count(b"data: ") == 3
+    # an output whose text merely mentions an error is not a refusal
+    outs = [{"text": '{"error": 1}', "meta_info": {}}]
+    response, _ = serve(http_server, monkeypatch, FakeTokenizerManager(outputs=outs))
+    assert response.status_code == 200
+    # non-streamed requests are the original's business
+    response, body = serve(http_server, monkeypatch, FakeTokenizerManager(refusal="x"), stream=False)
+    assert response.status_code == 400 and json.loads(body) == {"error": {"message": "x"}}
+
+
+def test_stream_hook_is_registered_against_sglangs_signature(http_server):
+    from sglang_dsv4_ascend.registrations import HOOKS
+
+    hook = next(h for h in HOOKS if h.name == "generate_stream_refusals")
+    hook.check()
