@@ -70,6 +70,8 @@ import json
 import math
 import os
 import struct
+import sys
+from dataclasses import dataclass
 
 MAX_N_ENV = "SGLANG_DSV4_MAX_N"
 MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
@@ -180,6 +182,163 @@ def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = N
     return params
 
 
+# ------------------------------------------------------------------------------------------------
+# Requests the scheduler can never run. SGLang 0.5.23 accepts them, then retries the one at the head
+# of its queue on every loop (100 % CPU, every later request waiting behind it), or clips their
+# output budget to nothing and answers an empty success after the whole prefill.
+
+CLIP_MAX_NEW_TOKENS = 4096  # schedule_policy.py:89 (env SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
+IGNORE_EOS_RESERVE_TOKENS = 1  # schedule_policy.py:122
+NO_LIMIT = 1 << 30  # what the scheduler reads a null max_new_tokens as (scheduler.py:2698)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What the scheduler sizes one request against, as the tokenizer process learns it."""
+
+    pool_tokens: int  # the scheduler's max_total_num_tokens: --max-total-tokens, or what memory allows
+    page_size: int
+    context_len: int
+    decode_reserve: int = 0  # KV rows a speculative decode round allocates past the committed length; 0 without
+    radix_disabled: bool = False  # --disable-radix-cache: ignore_eos requests take another admission path
+
+
+def _ceil(x: int, page: int) -> int:
+    return -(-x // page) * page
+
+
+def output_budget(prompt: int, max_new_tokens: int | None, lim: PoolLimits, *,
+                  ignore_eos: bool = False) -> tuple[int, int | None]:
+    """(clipped, served) for a request of `prompt` tokens asking for `max_new_tokens` (None: as many
+    as fit): `clipped` is the budget SGLang 0.5.23's scheduler cuts it to when the request is queued,
+    `served` the largest budget up to that with which the scheduler admits the request and can run it
+    to its last token, or None if it never admits the request, not even with no budget. Computed
+    for the request alone in an otherwise empty pool, its best case: what does not fit there never
+    fits, and waits at the head of the queue forever. Paths below are under sglang/srt/.
+
+    P = page size, C = pool_tokens, A = C // P * P what the paged allocator can hand out
+    (mem_cache/allocator/paged.py:153 num_pages = size // page_size, :169 available_size; page 0 is
+    padding outside the count, :397).
+
+    1. The clip (managers/scheduler.py:2693 init_req_max_new_tokens):
+         m = max(0, min(m, max_req_len - n - 1, C - ceil_P(n) - P - 1))
+       max_req_len = min(context_len - 1, C - 1) (managers/tp_worker.py:568); the last term is
+       mem_cache/allocator/base.py:102-105 (max_new_tokens_for_memory), which reserves the page
+       admission charges below plus one token.
+    2. Admission (managers/schedule_policy.py:1395 PrefillAdder.add_one_req):
+         n + min(m, CLIP_MAX_NEW_TOKENS) + P < A
+       (:1412 total_tokens, with per_req_token_overhead = one page, :733; the strict `<` is
+       mem_cache/prefill_budget.py:128 against available + evictable, :91-97). A radix hit does not
+       help: its prefix is locked out of the evictable count while the extend shrinks by as much.
+       A refused head of the queue with nothing running leaves batch_is_full False
+       (scheduler.py:4282), so the next loop tries it again: that is the spin.
+       With ignore_eos and the radix cache disabled, add_one_req_ignore_eos (:1401, :1241) admits
+       instead iff ceil_P(n) + P <= A (:1243-1256) and, for m > 0,
+       A - ceil_P(n) - P - m > IGNORE_EOS_RESERVE_TOKENS (:1295-1303): one token less than the clip.
+    3. With speculation, the last decode round (speculative/eagle_utils.py:866-872, which both of
+       our workers call): a round at committed length L allocates up to ceil_P(L + R) with
+       R = get_alloc_reserve_per_decode() (mem_cache/allocation_sizing.py:64-88; 2 x the draft
+       tokens for a chain or DSpark, 2 x topk x 2 pages for a tree with pages > 1). The last round
+       runs at L = n + m - 2 (a round's bonus token enters the KV in the next one), so
+       n + m - 2 + R <= A. Short of it the retract loop keeps a lone request
+       (managers/schedule_batch.py:3462) and the allocation raises in the scheduler
+       (mem_cache/allocation.py:246). Without speculation a round takes one page at a page
+       boundary, which the clip's page covers.
+
+    `served` is the largest budget up to `clipped` that meets 2. and 3. SGLang page-aligns its pool
+    (model_executor/pool_configurator.py:646), so C = A and a budget clipped by memory is always
+    admitted (n + C - ceil_P(n) - 1 < A); the clip is 0 for every prompt above A - 2P tokens, and
+    such a prompt is then never admitted if n + P >= A (the spin), otherwise answered with no
+    output. A request slot (the req_to_token row: context_len + get_req_to_token_extra_context_len(),
+    allocation_sizing.py:96-116; our cache slot is that row, its last speculative rows kept as ring
+    slack) holds context_len plus a round's reservation by construction, so it adds no limit of its
+    own; SGLANG_MAX_NEW_TOKENS_LIMIT only lowers m, which never makes a request that fits stop fitting.
+    """
+    n, page = prompt, lim.page_size
+    avail = lim.pool_tokens // page * page
+    paged = _ceil(n, page)
+    max_req_len = min(lim.context_len - 1, lim.pool_tokens - 1)
+    m = NO_LIMIT if max_new_tokens is None else max_new_tokens
+    clipped = max(0, min(m, max_req_len - n - 1, lim.pool_tokens - paged - page - 1))
+    bounds = [clipped]  # each constraint, as the largest budget it lets through
+    if ignore_eos and lim.radix_disabled:
+        if paged + page > avail:
+            return clipped, None
+        bounds.append(avail - paged - page - IGNORE_EOS_RESERVE_TOKENS - 1)
+    else:
+        if n + page >= avail:
+            return clipped, None
+        if n + CLIP_MAX_NEW_TOKENS + page >= avail:
+            bounds.append(avail - n - page - 1)
+    if lim.decode_reserve:
+        bounds.append(max(1, avail - n - lim.decode_reserve + 2))  # one token needs no decode round
+    return clipped, max(0, min(bounds))
+
+
+def max_input_len(lim: PoolLimits) -> int:
+    """The scheduler's own prompt limit: longer prompts it answers with an error itself
+    (managers/tp_worker.py:568-572, managers/utils.py:260 validate_input_length)."""
+    return min(lim.context_len - 1, lim.pool_tokens - 1) - 5
+
+
+def largest_prompt(lim: PoolLimits, *, ignore_eos: bool = False) -> int:
+    """The longest prompt the scheduler takes that still gets at least one new token (0: none)."""
+    lo, hi = 0, max(0, max_input_len(lim) - 1)  # output_budget is non-increasing in the prompt length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (output_budget(mid, 1, lim, ignore_eos=ignore_eos)[1] or 0) >= 1:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_fits(obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total: bool = True,
+               truncates: bool = False) -> None:
+    """Refuse (RequestRejected with the numbers) a request the scheduler would never admit, or would
+    answer with no output although output was asked for; lower max_new_tokens where SGLang's own
+    clip would leave the request unfinishable (the ignore_eos and speculative terms of
+    `output_budget`). Requests SGLang answers with an error of its own are left to it; under
+    --allow-auto-truncate the prompt and budget checked are those SGLang would cut them to."""
+    asked = params.get("max_new_tokens")
+    if asked is not None and not _is_int(asked):
+        return  # SGLang's SamplingParams check names the type
+    n, ctx, cut = prompt, lim.context_len, False
+    if truncates:  # tokenizer_manager.py:1337-1368, then the scheduler's validate_input_length
+        if n >= ctx:
+            n, asked = ctx, (None if asked is None else 0)
+        elif asked is not None and n + asked > ctx:
+            asked = ctx - n
+        cut = n != prompt or asked != params.get("max_new_tokens") or n >= max_input_len(lim)
+        n = min(n, max_input_len(lim))
+    elif n >= ctx or (checks_total and asked is not None and n + asked > ctx) or n >= max_input_len(lim):
+        return  # SGLang refuses it, naming the context length or its input limit
+    ignore_eos = bool(params.get("ignore_eos"))
+    clipped, served = output_budget(n, asked, lim, ignore_eos=ignore_eos)
+    if served is not None and (served > 0 or asked == 0):
+        if served < clipped:
+            obj.sampling_params = {**params, "max_new_tokens": served}
+        return
+    page = lim.page_size
+    pages = _ceil(n, page) // page
+    most = largest_prompt(lim, ignore_eos=ignore_eos)
+    at_most = (output_budget(most, None, lim, ignore_eos=ignore_eos)[1] or 0) if most else 0
+    spec = (f", and each speculative decode round reserves {lim.decode_reserve} rows past the committed length"
+            if lim.decode_reserve else "")
+    if asked == 0:
+        why = (f"the scheduler admits a request only while its prompt plus one page ({n} + {page}) stays below the "
+               "pool, so it would wait forever")
+    else:
+        why = (f"its {pages} pages of {page} tokens ({pages * page}) plus the page the scheduler keeps free per "
+               "request leave no room for a new token")
+    raise RequestRejected(
+        f"input_ids: {n} prompt tokens + max_new_tokens {'null' if asked is None else asked}"
+        f"{' (as --allow-auto-truncate cuts them)' if cut else ''} cannot be served: {why}; this server's KV pool "
+        f"holds {lim.pool_tokens} tokens in {page}-token pages (--max-total-tokens; --context-length {ctx}){spec}. "
+        f"At most {most} prompt tokens leave room to generate (up to {at_most} new tokens at that length)"
+    )
+
+
 # Sampling fields the NextN worker's verify does not apply (SGLang applies them in its sampler,
 # which speculative verify bypasses): refused under speculation rather than silently ignored.
 # name -> the value that means "off".
@@ -205,13 +364,16 @@ def _speculative_problem(obj) -> str | None:
 
 
 def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None,
-                  context_len: int | None = None) -> None:
+                  context_len: int | None = None, limits: PoolLimits | None = None,
+                  checks_total: bool = True, truncates: bool = False) -> None:
     """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
     be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
 
     Checks that prevent crashes apply to every model; refusals of inputs only our DeepSeek-V4
-    model cannot honour (`dsv4`) apply to it alone. `obj.sampling_params` may be replaced by the
-    parameters to serve (`check_sampling`)."""
+    model cannot honour (`dsv4`) apply to it alone, and so does the pool check (`limits`, see
+    `output_budget`: its arithmetic is that of the paged allocator our DeepSeek-V4 pool gets).
+    `obj.sampling_params` may be replaced by the parameters to serve (`check_sampling`,
+    `check_fits`)."""
     if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
         raise RequestRejected("input_ids: the prompt is empty (a batch entry with no tokens?)")
     if input_ids:
@@ -254,6 +416,9 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
                 "sglang-dsv4-ascend yet (its verify step applies temperature, top_k, top_p and min_p only); "
                 "drop the field or serve without speculation"
             )
+    params = getattr(obj, "sampling_params", None)
+    if limits is not None and input_ids is not None and isinstance(params, dict):
+        check_fits(obj, len(input_ids), params, limits, checks_total=checks_total, truncates=truncates)
 
 
 def validate_one_request_hook(self, obj, input_ids):
@@ -264,8 +429,46 @@ def validate_one_request_hook(self, obj, input_ids):
     arch = (getattr(hf, "architectures", None) or [None])[0]
     check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
                   speculative=getattr(self.server_args, "speculative_algorithm", None),
-                  context_len=getattr(self, "context_len", None))
+                  context_len=getattr(self, "context_len", None), limits=pool_limits(self),
+                  checks_total=getattr(self, "validate_total_tokens", True),
+                  truncates=bool(getattr(self, "allow_auto_truncate", False)))
     return None
+
+
+def _scheduler_info() -> dict:
+    """What the scheduler reported at launch (max_total_num_tokens among it). SGLang hands the
+    tokenizer manager only max_req_input_len, which does not reveal a pool as large as the
+    context; the HTTP server keeps the whole record in its global state (http_server.py:283-291,
+    also in each --tokenizer-worker-num worker). An offline Engine keeps it to itself: {} there."""
+    http = sys.modules.get("sglang.srt.entrypoints.http_server")
+    state = getattr(http, "_global_state", None)
+    return getattr(state, "scheduler_info", None) or {}
+
+
+def _decode_reserve(server_args) -> int:
+    """SGLang's own per-round speculative reservation (see `output_budget`, 3.), from the config
+    the tokenizer process published; 0 without speculation or where it cannot be read (the
+    check then leaves out only the speculative term)."""
+    if not getattr(server_args, "speculative_algorithm", None):
+        return 0
+    try:
+        from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+        return int(get_alloc_reserve_per_decode())
+    except Exception:  # no published config in this process
+        return 0
+
+
+def pool_limits(tm) -> PoolLimits | None:
+    """The PoolLimits of TokenizerManager `tm`'s server, or None before the scheduler reported."""
+    pool = _scheduler_info().get("max_total_num_tokens")
+    ctx = getattr(tm, "context_len", None)
+    if not pool or not ctx:
+        return None
+    args = tm.server_args
+    return PoolLimits(pool_tokens=int(pool), page_size=int(getattr(args, "page_size", None) or 1), context_len=int(ctx),
+                      decode_reserve=_decode_reserve(args),
+                      radix_disabled=bool(getattr(args, "disable_radix_cache", False)))
 
 
 _CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)
