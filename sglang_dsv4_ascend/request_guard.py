@@ -240,10 +240,10 @@ def output_budget(prompt: int, max_new_tokens: int | None, lim: PoolLimits, *,
        R = get_alloc_reserve_per_decode() (mem_cache/allocation_sizing.py:64-88; 2 x the draft
        tokens for a chain or DSpark, 2 x topk x 2 pages for a tree with pages > 1). The last round
        runs at L = n + m - 2 (a round's bonus token enters the KV in the next one), so
-       n + m - 2 + R <= A. Short of it the retract loop keeps a lone request
-       (managers/schedule_batch.py:3462) and the allocation raises in the scheduler
-       (mem_cache/allocation.py:246). Without speculation a round takes one page at a page
-       boundary, which the clip's page covers.
+       n + m - 2 + R <= A. Short of it, retract_decode aborts the lone request with a 500 "Out of
+       memory even after retracting all other requests" (managers/schedule_batch.py:3508-3530),
+       after its whole prefill (seen on a tree server: 6500 + 1400 tokens, topk 4, pool 8192).
+       Without speculation a round takes one page at a page boundary, which the clip's page covers.
 
     `served` is the largest budget up to `clipped` that meets 2. and 3. SGLang page-aligns its pool
     (model_executor/pool_configurator.py:646), so C = A and a budget clipped by memory is always
@@ -459,16 +459,28 @@ def _decode_reserve(server_args) -> int:
         return 0
 
 
+def _published_config() -> tuple[int, bool]:
+    """(page size, radix cache disabled) as resolved and published for this process, which the
+    tokenizer manager reads too: a ServerArgs attribute holds what the command line said (None
+    where the plugin's model override chose the 128-token pages)."""
+    from sglang.srt.runtime_context import get_memory, get_schedule
+
+    return int(get_schedule().page_size or 1), bool(get_memory().disable_radix_cache)
+
+
 def pool_limits(tm) -> PoolLimits | None:
-    """The PoolLimits of TokenizerManager `tm`'s server, or None before the scheduler reported."""
+    """The PoolLimits of TokenizerManager `tm`'s server, or None before the scheduler reported (or
+    where the published config cannot be read: no pool check then)."""
     pool = _scheduler_info().get("max_total_num_tokens")
     ctx = getattr(tm, "context_len", None)
     if not pool or not ctx:
         return None
-    args = tm.server_args
-    return PoolLimits(pool_tokens=int(pool), page_size=int(getattr(args, "page_size", None) or 1), context_len=int(ctx),
-                      decode_reserve=_decode_reserve(args),
-                      radix_disabled=bool(getattr(args, "disable_radix_cache", False)))
+    try:
+        page, radix_disabled = _published_config()
+    except Exception:  # nothing published in this process
+        return None
+    return PoolLimits(pool_tokens=int(pool), page_size=page, context_len=int(ctx),
+                      decode_reserve=_decode_reserve(tm.server_args), radix_disabled=radix_disabled)
 
 
 _CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)

@@ -250,7 +250,7 @@ def test_a_budget_without_the_speculative_rows_is_caught(monkeypatch):
 # -- where the hook gets the limits ---------------------------------------------------------------
 
 def tokenizer_manager(**args):
-    server_args = NS(page_size=P, speculative_algorithm=None, disable_radix_cache=False, **args)
+    server_args = NS(page_size=None, speculative_algorithm=None, disable_radix_cache=False, **args)
     hf = NS(architectures=["DeepseekV4ForCausalLM"])
     return NS(server_args=server_args, context_len=8192, model_config=NS(hf_config=hf, vocab_size=1024),
               validate_total_tokens=True, allow_auto_truncate=False)
@@ -258,6 +258,8 @@ def tokenizer_manager(**args):
 
 def test_the_hook_reads_the_pool_the_scheduler_reported(monkeypatch):
     tm = tokenizer_manager()
+    # the resolved page size, not the command line's (None: the plugin's override chose 128)
+    monkeypatch.setattr(G, "_published_config", lambda: (P, False))
     monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server",
                         NS(_global_state=NS(scheduler_info={"max_total_num_tokens": 8192})))
     assert G.pool_limits(tm) == G.PoolLimits(8192, P, 8192)
