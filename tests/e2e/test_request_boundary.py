@@ -6,6 +6,9 @@
    /generate, /v1/completions and /v1/chat/completions, streamed and batched too (numeric extremes:
    float32 / int32 / float64 edges, +-inf as huge or non-standard literals, NaN-like strings, zeros):
    no 5xx, none slower than a bound, /health OK after each class, the probe unchanged at the end.
+3. A prompt the KV pool cannot hold with room for output (limits from /get_server_info) is refused
+   at once, a small request right after it is answered promptly, and the longest prompt that fits
+   is served.
 """
 
 import json
@@ -421,3 +424,32 @@ def test_request_fuzz_never_breaks_the_server(server):
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
     assert total >= 900
     assert probe(server) == before
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_and_stalls_no_one(server):
+    """SGLang's scheduler clips a request's budget to the pool left after its prompt's pages and one
+    more page, and admits it only while prompt + budget + one page < pool (request_guard
+    .output_budget). A longer prompt used to be answered with no output after its whole prefill, or,
+    past pool - 1 page, never scheduled while every later request waited behind it. The limits come
+    from the server's own record; the longest prompt with room for output is served."""
+    info = server.server_info()
+    pool, page, ctx = info["max_total_num_tokens"], info["page_size"], info["context_length"]
+    avail = pool // page * page
+    most = avail - 2 * page  # the prompt's pages, one page of output, the page kept free per request
+    assert most + page < min(ctx, pool) - 6, "the pool must bind before SGLang's own input limit"
+    ids = lambda n: [(i * 7919) % (VOCAB - 1) + 1 for i in range(n)]  # noqa: E731
+    refused = [(most + 1, 4), (most + page, 1), (avail - page + 20, 60), (avail - page, 0)]
+    for n, m in refused:
+        got, out, dt = send(server, "/generate", {"input_ids": ids(n), "sampling_params": {"max_new_tokens": m}})
+        text = message(out)
+        assert got == 400, (n, m, got, text[:300])
+        for words in (f"input_ids: {n} prompt tokens + max_new_tokens {m}", f"holds {pool} tokens",
+                      f"{page}-token pages", "--max-total-tokens", f"At most {most} prompt tokens"):
+            assert words in text, (words, text)
+        assert dt < 10, (n, m, dt)
+    got, out, dt = send(server, "/generate", {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}})
+    assert got == 200 and len(out["output_ids"]) <= 4 and dt < 15, (got, dt, out)
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    got, out, _ = send(server, "/generate", {"input_ids": ids(most), "sampling_params": params})
+    assert got == 200 and len(out["output_ids"]) == 2, (got, str(out)[:300])
+    assert healthy(server)
