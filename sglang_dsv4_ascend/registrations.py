@@ -185,6 +185,7 @@ def _hook(target: str, fn_path: str, kind: str):
 HOOK_KV_POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool"
 HOOK_VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request"
 HOOK_HTTP_TARGET = "sglang.srt.entrypoints.http_server:launch_server"
+HOOK_GENERATE_STREAM_TARGET = "sglang.srt.entrypoints.http_server:serve_generate_request"
 HOOK_NORMALIZE_TARGET = "sglang.srt.managers.io_struct:GenerateReqInput.normalize_batch_and_arguments"
 HOOK_EAGLE_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_eagle_family"
 HOOK_DSPARK_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook:_handle_dspark"
@@ -253,4 +254,6 @@ HOOKS: list = [
          ("server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
           "run_detokenizer_process_func", "execute_warmup_func", "launch_callback"),
          _hook(HOOK_HTTP_TARGET, ".request_guard:add_request_gate", "BEFORE")),
+    Hook("generate_stream_refusals", HOOK_GENERATE_STREAM_TARGET, ("obj", "request"),
+         _hook(HOOK_GENERATE_STREAM_TARGET, ".request_guard:stream_refusals_hook", "AROUND")),
 ]

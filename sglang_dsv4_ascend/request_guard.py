@@ -7,7 +7,13 @@ crash the scheduler process, and with it every other request in flight:
 * `input_ids` outside [0, vocab): the embedding gather indexes out of bounds (an IndexError on
   CPU; on an accelerator an out-of-range gather can read garbage or fault the device);
 * `top_logprobs_num` (OpenAI: completions `logprobs`, chat `top_logprobs`) above the vocabulary:
-  `topk` in SGLang's logprob processor raises "selected index k out of range".
+  `topk` in SGLang's logprob processor raises "selected index k out of range";
+* numeric sampling values that SGLang's own checks (`SamplingParams.verify` and the context-length
+  check) let through but its scheduler cannot hold: a `temperature` past float32's range (1e39 is
+  finite for SGLang's check but inf in the sampler's float32 tensor, and the speculative accept
+  step raised on it), `top_k` past int32 (the sampler's top-k tensor, with or without
+  speculation), `min_new_tokens` past int32 when `max_new_tokens` is null (the min-new-tokens
+  penalizer's tensor).
 
 Other requests are accepted and answered as if they said something else (the DeepSeek-V4 model
 ignores `input_embeds`; `text` together with `input_ids` silently uses the ids), or cost every
@@ -19,30 +25,66 @@ configurable limits:
                                     context token)); bigger bodies get 413 before they are read
     SGLANG_DSV4_MAX_N               largest `n` (parallel samples) per request (default 64)
 
+What `check_sampling` adds to SGLang's own checks, which already refuse a negative or non-finite
+temperature, top_p outside (0, 1], min_p outside [0, 1], penalties outside their ranges,
+max_new_tokens < 0 or past the context, min_new_tokens above max_new_tokens, sampling_seed outside
+int64 and logit_bias keys outside the vocabulary:
+
+    n                 an integer in [1, SGLANG_DSV4_MAX_N] (`n: 0` reached SGLang's range() as
+                      "range() arg 3 must not be zero"), checked before SGLang expands it
+    temperature       a number in [0, 3.4028235e38], float32's largest (the value SGLang's sampler
+                      and the speculative path compute with)
+    top_k             -1 (every token) or an integer >= 1, on every route and at any temperature
+                      (SGLang lets 0 through when the temperature is 0, so `top_k: 0` was a 200 or
+                      a 400 depending on the other fields). A top_k above the vocabulary keeps every
+                      token: it is served as -1 (clamped, not refused; SGLang's own "every token"
+                      value, 2**30, is above any vocabulary and clients send such values)
+    min_new_tokens    at most the context length
+    logit_bias        values in [-100, 100], OpenAI's documented range (a larger bias divided by a
+                      small temperature overflows float32 in the sampler)
+    stream_interval   an integer in [0, 2**31 - 1] (0: the server's --stream-interval)
+    stop_token_ids    token ids in [0, vocab)
+
 Where the checks run (all written down in patches/README.md):
 * `check_request` is called by a BEFORE hook on `TokenizerManager._validate_one_request`, the
   one per-request validation step SGLang runs for single, batched, OpenAI completion and chat
   requests, after tokenization and before anything is sent to the scheduler. A ValueError there
   becomes SGLang's own 400 response.
 * `normalize_hook` wraps `GenerateReqInput.normalize_batch_and_arguments`, which only reshapes
-  the client's fields: an error there is the client's and becomes a 400, not a 500.
+  the client's fields: an error there is the client's and becomes a 400, not a 500. `n` is
+  checked there, before SGLang expands the request into n copies.
 * `RequestGate` is an ASGI middleware added to SGLang's FastAPI app when the HTTP server
   launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
   SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
-  object belongs) gets a 400 naming the field.
+  object belongs, nesting deeper than MAX_JSON_DEPTH) gets a 400 naming the field.
+* `stream_refusals_hook` wraps `http_server.serve_generate_request`: a streamed /generate request
+  that any validation refuses gets the same 4xx as a non-streamed one instead of a 200 whose
+  stream carries the error. SGLang's OpenAI routes already do this (they wait for the first
+  chunk before answering); /generate now does the same.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import struct
+import sys
+from dataclasses import dataclass
 
 MAX_N_ENV = "SGLANG_DSV4_MAX_N"
 MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
 DEFAULT_MAX_N = 64
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+LOGIT_BIAS_MAX = 100.0
+# Far deeper than any real request (chat content parts, JSON schemas, tools) and far below where
+# Python's json (a RecursionError) and the libraries after it give up (orjson parses 1024 levels
+# but serializes only 255: echoing or logging a deeper body fails).
+MAX_JSON_DEPTH = 64
 
 
 class RequestRejected(ValueError):
@@ -75,6 +117,228 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fits_float32(x) -> bool:
+    """Whether x stays a finite number once stored as float32 (rounding as torch does)."""
+    try:
+        return math.isfinite(struct.unpack("f", struct.pack("f", float(x)))[0])
+    except OverflowError:  # an integer beyond float64 (older Pythons also refuse to round to inf)
+        return False
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def check_n(params: dict) -> None:
+    n = params.get("n", 1)
+    limit = max_n()
+    if not _is_int(n) or n < 1:
+        raise RequestRejected(f"n = {_short(n)}: expected an integer in [1, {limit}] (parallel samples per request)")
+    if n > limit:
+        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request, expected an integer in "
+                              f"[1, {limit}] ({MAX_N_ENV} to change)")
+
+
+def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = None) -> dict:
+    """Refuse (RequestRejected naming the field and its range) the numeric sampling values listed in
+    the module docstring. Returns the parameters to serve: `params` itself, or a copy whose top_k
+    above the vocabulary is -1."""
+    check_n(params)
+    t = params.get("temperature")
+    if _is_number(t) and not (_fits_float32(t) and t >= 0):
+        raise RequestRejected(f"temperature = {_short(t)}: expected a number in [0, {FLOAT32_MAX:.8g}] (float32, "
+                              "what the sampler computes in; 0 = greedy)")
+    k = params.get("top_k")
+    if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+        raise RequestRejected(f"top_k = {_short(k)}: expected -1 (every token) or an integer in [1, {vocab_size}] "
+                              "(the vocabulary size; a larger top_k keeps every token, as -1 does)")
+    if k is not None and k > vocab_size:
+        params = {**params, "top_k": -1}  # past int32 it would crash SGLang's sampler; the meaning is the same
+    m = params.get("min_new_tokens")
+    most = context_len or INT32_MAX
+    if _is_int(m) and m > most:
+        raise RequestRejected(f"min_new_tokens = {_short(m)}: expected an integer in [0, {most}] (the context length)")
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):
+        for token, b in bias.items():
+            if _is_number(b) and not (_fits_float32(b) and abs(b) <= LOGIT_BIAS_MAX):
+                raise RequestRejected(f"logit_bias[{token!r}] = {_short(b)}: expected a number in "
+                                      f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+    every = params.get("stream_interval")
+    if every is not None and (not _is_int(every) or not 0 <= every <= INT32_MAX):
+        raise RequestRejected(f"stream_interval = {_short(every)}: expected an integer in [0, {INT32_MAX}] "
+                              "(0: the server's --stream-interval)")
+    stops = params.get("stop_token_ids")
+    if isinstance(stops, (list, tuple, set)):
+        bad = next((i for i in stops if not _is_int(i) or not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"stop_token_ids: {_short(bad)} is not a token id in [0, {vocab_size}) "
+                                  "(the vocabulary)")
+    return params
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests the scheduler can never run. SGLang 0.5.23 accepts them, then retries the one at the head
+# of its queue on every loop (100 % CPU, every later request waiting behind it), or clips their
+# output budget to nothing and answers an empty success after the whole prefill.
+
+CLIP_MAX_NEW_TOKENS = 4096  # schedule_policy.py:89 (env SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
+IGNORE_EOS_RESERVE_TOKENS = 1  # schedule_policy.py:122
+NO_LIMIT = 1 << 30  # what the scheduler reads a null max_new_tokens as (scheduler.py:2698)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What the scheduler sizes one request against, as the tokenizer process learns it."""
+
+    pool_tokens: int  # the scheduler's max_total_num_tokens: --max-total-tokens, or what memory allows
+    page_size: int
+    context_len: int
+    decode_reserve: int = 0  # KV rows a speculative decode round allocates past the committed length; 0 without
+    radix_disabled: bool = False  # --disable-radix-cache: ignore_eos requests take another admission path
+
+
+def _ceil(x: int, page: int) -> int:
+    return -(-x // page) * page
+
+
+def output_budget(prompt: int, max_new_tokens: int | None, lim: PoolLimits, *,
+                  ignore_eos: bool = False) -> tuple[int, int | None]:
+    """(clipped, served) for a request of `prompt` tokens asking for `max_new_tokens` (None: as many
+    as fit): `clipped` is the budget SGLang 0.5.23's scheduler cuts it to when the request is queued,
+    `served` the largest budget up to that with which the scheduler admits the request and can run it
+    to its last token, or None if it never admits the request, not even with no budget. Computed
+    for the request alone in an otherwise empty pool, its best case: what does not fit there never
+    fits, and waits at the head of the queue forever. Paths below are under sglang/srt/.
+
+    P = page size, C = pool_tokens, A = C // P * P what the paged allocator can hand out
+    (mem_cache/allocator/paged.py:153 num_pages = size // page_size, :169 available_size; page 0 is
+    padding outside the count, :397).
+
+    1. The clip (managers/scheduler.py:2693 init_req_max_new_tokens):
+         m = max(0, min(m, max_req_len - n - 1, C - ceil_P(n) - P - 1))
+       max_req_len = min(context_len - 1, C - 1) (managers/tp_worker.py:568); the last term is
+       mem_cache/allocator/base.py:102-105 (max_new_tokens_for_memory), which reserves the page
+       admission charges below plus one token.
+    2. Admission (managers/schedule_policy.py:1395 PrefillAdder.add_one_req):
+         n + min(m, CLIP_MAX_NEW_TOKENS) + P < A
+       (:1412 total_tokens, with per_req_token_overhead = one page, :733; the strict `<` is
+       mem_cache/prefill_budget.py:128 against available + evictable, :91-97). A radix hit does not
+       help: its prefix is locked out of the evictable count while the extend shrinks by as much.
+       A refused head of the queue with nothing running leaves batch_is_full False
+       (scheduler.py:4282), so the next loop tries it again: that is the spin.
+       With ignore_eos and the radix cache disabled, add_one_req_ignore_eos (:1401, :1241) admits
+       instead iff ceil_P(n) + P <= A (:1243-1256) and, for m > 0,
+       A - ceil_P(n) - P - m > IGNORE_EOS_RESERVE_TOKENS (:1295-1303): one token less than the clip.
+    3. With speculation, the last decode round (speculative/eagle_utils.py:866-872, which both of
+       our workers call): a round at committed length L allocates up to ceil_P(L + R) with
+       R = get_alloc_reserve_per_decode() (mem_cache/allocation_sizing.py:64-88; 2 x the draft
+       tokens for a chain or DSpark, 2 x topk x 2 pages for a tree with pages > 1). The last round
+       runs at L = n + m - 2 (a round's bonus token enters the KV in the next one), so
+       n + m - 2 + R <= A. Short of it, retract_decode aborts the lone request with a 500 "Out of
+       memory even after retracting all other requests" (managers/schedule_batch.py:3508-3530),
+       after its whole prefill (seen on a tree server: 6500 + 1400 tokens, topk 4, pool 8192).
+       Without speculation a round takes one page at a page boundary, which the clip's page covers.
+
+    `served` is the largest budget up to `clipped` that meets 2. and 3. SGLang page-aligns its pool
+    (model_executor/pool_configurator.py:646), so C = A and a budget clipped by memory is always
+    admitted (n + C - ceil_P(n) - 1 < A); the clip is 0 for every prompt above A - 2P tokens, and
+    such a prompt is then never admitted if n + P >= A (the spin), otherwise answered with no
+    output. A request slot (the req_to_token row: context_len + get_req_to_token_extra_context_len(),
+    allocation_sizing.py:96-116; our cache slot is that row, its last speculative rows kept as ring
+    slack) holds context_len plus a round's reservation by construction, so it adds no limit of its
+    own; SGLANG_MAX_NEW_TOKENS_LIMIT only lowers m, which never makes a request that fits stop fitting.
+    """
+    n, page = prompt, lim.page_size
+    avail = lim.pool_tokens // page * page
+    paged = _ceil(n, page)
+    max_req_len = min(lim.context_len - 1, lim.pool_tokens - 1)
+    m = NO_LIMIT if max_new_tokens is None else max_new_tokens
+    clipped = max(0, min(m, max_req_len - n - 1, lim.pool_tokens - paged - page - 1))
+    bounds = [clipped]  # each constraint, as the largest budget it lets through
+    if ignore_eos and lim.radix_disabled:
+        if paged + page > avail:
+            return clipped, None
+        bounds.append(avail - paged - page - IGNORE_EOS_RESERVE_TOKENS - 1)
+    else:
+        if n + page >= avail:
+            return clipped, None
+        if n + CLIP_MAX_NEW_TOKENS + page >= avail:
+            bounds.append(avail - n - page - 1)
+    if lim.decode_reserve:
+        bounds.append(max(1, avail - n - lim.decode_reserve + 2))  # one token needs no decode round
+    return clipped, max(0, min(bounds))
+
+
+def max_input_len(lim: PoolLimits) -> int:
+    """The scheduler's own prompt limit: longer prompts it answers with an error itself
+    (managers/tp_worker.py:568-572, managers/utils.py:260 validate_input_length)."""
+    return min(lim.context_len - 1, lim.pool_tokens - 1) - 5
+
+
+def largest_prompt(lim: PoolLimits, *, ignore_eos: bool = False) -> int:
+    """The longest prompt the scheduler takes that still gets at least one new token (0: none)."""
+    lo, hi = 0, max(0, max_input_len(lim) - 1)  # output_budget is non-increasing in the prompt length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (output_budget(mid, 1, lim, ignore_eos=ignore_eos)[1] or 0) >= 1:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_fits(obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total: bool = True,
+               truncates: bool = False) -> None:
+    """Refuse (RequestRejected with the numbers) a request the scheduler would never admit, or would
+    answer with no output although output was asked for; lower max_new_tokens where SGLang's own
+    clip would leave the request unfinishable (the ignore_eos and speculative terms of
+    `output_budget`). Requests SGLang answers with an error of its own are left to it; under
+    --allow-auto-truncate the prompt and budget checked are those SGLang would cut them to."""
+    asked = params.get("max_new_tokens")
+    if asked is not None and not _is_int(asked):
+        return  # SGLang's SamplingParams check names the type
+    n, ctx, cut = prompt, lim.context_len, False
+    if truncates:  # tokenizer_manager.py:1337-1368, then the scheduler's validate_input_length
+        if n >= ctx:
+            n, asked = ctx, (None if asked is None else 0)
+        elif asked is not None and n + asked > ctx:
+            asked = ctx - n
+        cut = n != prompt or asked != params.get("max_new_tokens") or n >= max_input_len(lim)
+        n = min(n, max_input_len(lim))
+    elif n >= ctx or (checks_total and asked is not None and n + asked > ctx) or n >= max_input_len(lim):
+        return  # SGLang refuses it, naming the context length or its input limit
+    ignore_eos = bool(params.get("ignore_eos"))
+    clipped, served = output_budget(n, asked, lim, ignore_eos=ignore_eos)
+    if served is not None and (served > 0 or asked == 0):
+        if served < clipped:
+            obj.sampling_params = {**params, "max_new_tokens": served}
+        return
+    page = lim.page_size
+    pages = _ceil(n, page) // page
+    most = largest_prompt(lim, ignore_eos=ignore_eos)
+    at_most = (output_budget(most, None, lim, ignore_eos=ignore_eos)[1] or 0) if most else 0
+    spec = (f", and each speculative decode round reserves {lim.decode_reserve} rows past the committed length"
+            if lim.decode_reserve else "")
+    if asked == 0:
+        why = (f"the scheduler admits a request only while its prompt plus one page ({n} + {page}) stays below the "
+               "pool, so it would wait forever")
+    else:
+        why = (f"its {pages} pages of {page} tokens ({pages * page}) plus the page the scheduler keeps free per "
+               "request leave no room for a new token")
+    raise RequestRejected(
+        f"input_ids: {n} prompt tokens + max_new_tokens {'null' if asked is None else asked}"
+        f"{' (as --allow-auto-truncate cuts them)' if cut else ''} cannot be served: {why}; this server's KV pool "
+        f"holds {lim.pool_tokens} tokens in {page}-token pages (--max-total-tokens; --context-length {ctx}){spec}. "
+        f"At most {most} prompt tokens leave room to generate (up to {at_most} new tokens at that length)"
+    )
+
+
 # Sampling fields the NextN worker's verify does not apply (SGLang applies them in its sampler,
 # which speculative verify bypasses): refused under speculation rather than silently ignored.
 # name -> the value that means "off".
@@ -99,12 +363,17 @@ def _speculative_problem(obj) -> str | None:
     return None
 
 
-def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None) -> None:
+def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None,
+                  context_len: int | None = None, limits: PoolLimits | None = None,
+                  checks_total: bool = True, truncates: bool = False) -> None:
     """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
     be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
 
     Checks that prevent crashes apply to every model; refusals of inputs only our DeepSeek-V4
-    model cannot honour (`dsv4`) apply to it alone."""
+    model cannot honour (`dsv4`) apply to it alone, and so does the pool check (`limits`, see
+    `output_budget`: its arithmetic is that of the paged allocator our DeepSeek-V4 pool gets).
+    `obj.sampling_params` may be replaced by the parameters to serve (`check_sampling`,
+    `check_fits`)."""
     if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
         raise RequestRejected("input_ids: the prompt is empty (a batch entry with no tokens?)")
     if input_ids:
@@ -128,11 +397,11 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
                 f"logprob_start_len = {start!r}: expected -1 (output tokens only) or an integer in "
                 f"[0, {n_in}) (the prompt has {n_in} tokens)"
             )
-    params = getattr(obj, "sampling_params", None) or {}
-    n = params.get("n", 1) if isinstance(params, dict) else 1
-    limit = max_n()
-    if n is not None and _is_int(n) and n > limit:
-        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request ({MAX_N_ENV} to change)")
+    params = getattr(obj, "sampling_params", None)
+    if isinstance(params, dict):
+        served = check_sampling(params, vocab_size=vocab_size, context_len=context_len)
+        if served is not params:
+            obj.sampling_params = served
     if not dsv4:
         return
     if getattr(obj, "input_embeds", None) is not None:
@@ -147,6 +416,9 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
                 "sglang-dsv4-ascend yet (its verify step applies temperature, top_k, top_p and min_p only); "
                 "drop the field or serve without speculation"
             )
+    params = getattr(obj, "sampling_params", None)
+    if limits is not None and input_ids is not None and isinstance(params, dict):
+        check_fits(obj, len(input_ids), params, limits, checks_total=checks_total, truncates=truncates)
 
 
 def validate_one_request_hook(self, obj, input_ids):
@@ -156,8 +428,59 @@ def validate_one_request_hook(self, obj, input_ids):
 
     arch = (getattr(hf, "architectures", None) or [None])[0]
     check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
-                  speculative=getattr(self.server_args, "speculative_algorithm", None))
+                  speculative=getattr(self.server_args, "speculative_algorithm", None),
+                  context_len=getattr(self, "context_len", None), limits=pool_limits(self),
+                  checks_total=getattr(self, "validate_total_tokens", True),
+                  truncates=bool(getattr(self, "allow_auto_truncate", False)))
     return None
+
+
+def _scheduler_info() -> dict:
+    """What the scheduler reported at launch (max_total_num_tokens among it). SGLang hands the
+    tokenizer manager only max_req_input_len, which does not reveal a pool as large as the
+    context; the HTTP server keeps the whole record in its global state (http_server.py:283-291,
+    also in each --tokenizer-worker-num worker). An offline Engine keeps it to itself: {} there."""
+    http = sys.modules.get("sglang.srt.entrypoints.http_server")
+    state = getattr(http, "_global_state", None)
+    return getattr(state, "scheduler_info", None) or {}
+
+
+def _decode_reserve(server_args) -> int:
+    """SGLang's own per-round speculative reservation (see `output_budget`, 3.), from the config
+    the tokenizer process published; 0 without speculation or where it cannot be read (the
+    check then leaves out only the speculative term)."""
+    if not getattr(server_args, "speculative_algorithm", None):
+        return 0
+    try:
+        from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+        return int(get_alloc_reserve_per_decode())
+    except Exception:  # no published config in this process
+        return 0
+
+
+def _published_config() -> tuple[int, bool]:
+    """(page size, radix cache disabled) as resolved and published for this process, which the
+    tokenizer manager reads too: a ServerArgs attribute holds what the command line said (None
+    where the plugin's model override chose the 128-token pages)."""
+    from sglang.srt.runtime_context import get_memory, get_schedule
+
+    return int(get_schedule().page_size or 1), bool(get_memory().disable_radix_cache)
+
+
+def pool_limits(tm) -> PoolLimits | None:
+    """The PoolLimits of TokenizerManager `tm`'s server, or None before the scheduler reported (or
+    where the published config cannot be read: no pool check then)."""
+    pool = _scheduler_info().get("max_total_num_tokens")
+    ctx = getattr(tm, "context_len", None)
+    if not pool or not ctx:
+        return None
+    try:
+        page, radix_disabled = _published_config()
+    except Exception:  # nothing published in this process
+        return None
+    return PoolLimits(pool_tokens=int(pool), page_size=page, context_len=int(ctx),
+                      decode_reserve=_decode_reserve(tm.server_args), radix_disabled=radix_disabled)
 
 
 _CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)
@@ -185,11 +508,16 @@ def normalize_hook(orig, self):
     """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
     reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
     escape as TypeError / IndexError / OverflowError (e.g. `n: null`, `sampling_params: []`,
-    `n: 2**63`), which become 500s; they become 400s here. input_embeds for DeepSeek-V4 is
+    `n: 2**63`), which become 500s; they become 400s here. `n` is checked first, before it
+    multiplies the request (and `n: 0` reaches a range() step). input_embeds for DeepSeek-V4 is
     refused here, first: SGLang's own refusal under the radix cache would send the user to
     --disable-radix-cache, after which ours would refuse it anyway."""
     if getattr(self, "input_embeds", None) is not None and _serves_dsv4():
         raise RequestRejected(INPUT_EMBEDS_REFUSED)
+    params = getattr(self, "sampling_params", None)
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict):
+            check_n(p)
     try:
         return orig(self)
     except _CLIENT_FAULTS as e:
@@ -200,9 +528,8 @@ def normalize_hook(orig, self):
 class RequestGate:
     """ASGI middleware in front of SGLang's routes: POST/PUT bodies larger than `max_body_bytes()`
     get 413 before anything parses them (Content-Length first, then what actually arrives), and
-    generation bodies of a shape SGLang's own parsing would answer with a 500 get a 400 that
-    names the field. The limit is resolved on the first request, once SGLang knows the context
-    length."""
+    bodies SGLang's own parsing would answer with a 500 (`shape_error`) get a 400 that names the
+    field. The limit is resolved on the first request, once SGLang knows the context length."""
 
     def __init__(self, app, context_len_fn=None):
         self.app = app
@@ -272,15 +599,36 @@ class RequestGate:
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
+def _deeper_than(data, limit: int) -> bool:
+    stack = [(data, 1)]  # no recursion: the point is to measure what would overflow it
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def shape_error(path: str, body: bytes) -> str | None:
-    """The structural fault of a generation request body that stock SGLang answers with a 500
-    (an AttributeError in a model validator), or None. A body that is not JSON at all is left to
+    """The structural fault of a request body that stock SGLang answers with a 500, or None:
+    for any route, JSON nested deeper than MAX_JSON_DEPTH (a RecursionError somewhere in the
+    parsing, or a 500 from a library after it); for the generation routes, shapes its model
+    validators call .get() on (an AttributeError). A body that is not JSON at all is left to
     SGLang, which answers 400."""
-    if path not in GENERATION_ROUTES:
+    nested = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH  # a cheap bound before walking anything
+    if path not in GENERATION_ROUTES and not nested:
         return None
+    too_deep = f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels"
     try:
         data = json.loads(body)
+    except RecursionError:
+        return too_deep
     except (ValueError, UnicodeDecodeError):
+        return None
+    if nested and _deeper_than(data, MAX_JSON_DEPTH):
+        return too_deep
+    if path not in GENERATION_ROUTES:
         return None
     if not isinstance(data, dict):
         return f"request body: expected a JSON object, got {type(data).__name__}"
@@ -332,3 +680,54 @@ def add_request_gate(server_args, *args, **kwargs):
         http_server.app.add_middleware(
             RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
     return None
+
+
+async def stream_refusals_hook(orig, obj, request):
+    """AROUND `http_server.serve_generate_request(obj, request)`: for a streamed request, pull the
+    stream's first chunk before the response starts. SGLang validates (and we refuse) inside that
+    stream, so a refusal used to arrive as `data: {"error": ...}` after a 200; it is now answered
+    with its own 4xx and the same error object. Otherwise the first chunk is put back in front of
+    the stream: the client gets the same bytes, its headers when the first output is ready (as
+    SGLang's OpenAI routes already do)."""
+    response = await orig(obj, request)
+    stream = getattr(response, "body_iterator", None)
+    if not getattr(obj, "stream", False) or not hasattr(stream, "aclose"):
+        return response
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:  # the client left before anything was produced
+        first = None
+    error = _sse_error(first)
+    if error is not None:
+        await stream.aclose()
+        from starlette.responses import JSONResponse
+
+        code = error.get("code")
+        status = code if _is_int(code) and 400 <= code < 600 else 400
+        # the stream's own clean-up (SGLang's abort of the request) still runs after the answer
+        return JSONResponse({"error": error}, status_code=status, background=response.background)
+    response.body_iterator = _prepended(first, stream)
+    return response
+
+
+def _sse_error(chunk) -> dict | None:
+    """The error object of a `data: {"error": {...}}` event (SGLang's in-stream refusal), else None."""
+    if not isinstance(chunk, (bytes, str)):
+        return None
+    raw = chunk.encode() if isinstance(chunk, str) else chunk
+    if not raw.startswith(b'data: {"error"'):
+        return None
+    try:
+        event = json.loads(raw[len(b"data: "):])
+    except ValueError:
+        return None
+    if isinstance(event, dict) and list(event) == ["error"] and isinstance(event["error"], dict):
+        return event["error"]
+    return None
+
+
+async def _prepended(first, rest):
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk

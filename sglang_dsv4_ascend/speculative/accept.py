@@ -30,6 +30,7 @@ __all__ = ["SAMPLING_EPS", "accept_batch", "greedy_accept", "is_greedy", "sample
 
 # sglang.srt.sampling.sampling_params._SAMPLING_EPS: a temperature in [0, eps) means greedy
 SAMPLING_EPS = 1e-6
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _per_row(x, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -50,13 +51,22 @@ def is_greedy(temperature: float, top_k: int) -> bool:
 
 def sampled_temperature(sp: dict | None, b: int = 0) -> float | None:
     """The temperature request b samples at, or None when it is greedy (`is_greedy`; no sampling
-    dict means greedy). Raises on a negative temperature."""
+    dict means greedy).
+
+    Runs in the scheduler for a whole batch, so a value validation should have stopped is handled
+    here for its own request instead of raising (which would end the server): +inf (what a
+    temperature past float32's range becomes in SGLang's float32 tensor) samples at float32's
+    largest temperature, the limit SGLang's own sampler reaches by dividing by inf (uniform over
+    the tokens with finite logits) without its NaNs; NaN or negative, which no sampler can use, is
+    served greedy. Every other value is returned unchanged."""
     if sp is None:
         return None
     temperature = float(sp.get("temperature", 1.0))
-    if temperature < 0:
-        raise ValueError(f"request {b}: temperature must be >= 0, got {temperature}")
-    return None if is_greedy(temperature, int(sp.get("top_k", -1))) else temperature
+    if not temperature >= 0:  # NaN included
+        return None
+    if is_greedy(temperature, int(sp.get("top_k", -1))):
+        return None
+    return min(temperature, FLOAT32_MAX)
 
 
 def target_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:

@@ -2,9 +2,13 @@
 
 1. Each class the plugin refuses gets a 4xx whose message names the field and range, the server
    keeps serving, and a fixed greedy probe returns the same tokens afterwards.
-2. A fuzz run: a few hundred generated malformed or extreme requests (fixed seed) across
-   /generate, /v1/completions and /v1/chat/completions: no 5xx, none slower than a bound,
-   /health OK after each class, the probe unchanged at the end.
+2. A fuzz run: about a thousand generated malformed or extreme requests (fixed seed) across
+   /generate, /v1/completions and /v1/chat/completions, streamed and batched too (numeric extremes:
+   float32 / int32 / float64 edges, +-inf as huge or non-standard literals, NaN-like strings, zeros):
+   no 5xx, none slower than a bound, /health OK after each class, the probe unchanged at the end.
+3. A prompt the KV pool cannot hold with room for output (limits from /get_server_info) is refused
+   at once, a small request right after it is answered promptly, and the longest prompt that fits
+   is served.
 """
 
 import json
@@ -99,6 +103,47 @@ REFUSED = [  # (name, path, body, status, words the message must contain)
     ("n too large, completions", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 65},
      400, ["n = 65"]),
 ]
+F32 = "[0, 3.4028235e+38]"  # the temperature range in the refusal
+ROUTES = {  # route -> a request on it with these sampling fields (OpenAI names where they differ)
+    "/generate": lambda **f: {"text": "hi", "sampling_params": {"max_new_tokens": 2, **f}},
+    "/v1/completions": lambda **f: {"model": "m", "prompt": "hi", "max_tokens": 2, **f},
+    "/v1/chat/completions": lambda **f: {"model": "m", "messages": CHAT, "max_tokens": 2, **f},
+}
+for _path, _make in ROUTES.items():
+    REFUSED += [
+        (f"temperature past float32, {_path}", _path, _make(temperature=1e39), 400, ["temperature", F32]),
+        (f"temperature 1e308, {_path}", _path, _make(temperature=1e308), 400, ["temperature", F32]),
+        (f"top_k 0, {_path}", _path, _make(top_k=0, temperature=0.7), 400, ["top_k = 0", f"[1, {VOCAB}]"]),
+        (f"top_k 0 greedy, {_path}", _path, _make(top_k=0, temperature=0), 400, ["top_k = 0", f"[1, {VOCAB}]"]),
+        (f"n 0, {_path}", _path, _make(n=0), 400, ["n = 0", "[1, 64]"]),
+        (f"logit_bias past its range, {_path}", _path, _make(logit_bias={"5": 1e39}), 400,
+         ["logit_bias", "[-100, 100]"]),
+        (f"streamed n 0, {_path}", _path, {**_make(n=0), "stream": True}, 400, ["n = 0"]),
+        (f"streamed top_k 0, {_path}", _path, {**_make(top_k=0), "stream": True}, 400, ["top_k = 0"]),
+    ]
+REFUSED += [
+    ("streamed oov id", "/generate",
+     {"input_ids": [1, VOCAB], "stream": True, "sampling_params": {"max_new_tokens": 2}},
+     400, ["input_ids", f"[0, {VOCAB})"]),
+    ("streamed temperature past float32, batched", "/generate",
+     {"text": ["a", "b"], "stream": True, "sampling_params": [{"max_new_tokens": 2}, {"temperature": 1e39}]},
+     400, ["temperature", F32]),
+    ("min_new_tokens past the context", "/generate",
+     {"text": "hi", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 2**31}}, 400, ["min_new_tokens"]),
+    ("stop_token_ids outside the vocabulary", "/generate",
+     {"text": "hi", "sampling_params": {"stop_token_ids": [2**63]}}, 400, ["stop_token_ids", f"[0, {VOCAB})"]),
+    # SGLang parses bodies with orjson, which refuses the Infinity / NaN literals; the OpenAI routes
+    # read these strings as floats
+    ("temperature 'inf', completions", "/v1/completions", ROUTES["/v1/completions"](temperature="inf"),
+     400, ["temperature", F32]),
+    ("temperature '-Infinity', chat", "/v1/chat/completions", ROUTES["/v1/chat/completions"](temperature="-Infinity"),
+     400, ["temperature", F32]),
+    ("nested 300 levels", "/generate", {"text": "hi", "custom_params": json.loads("[" * 300 + "]" * 300)},
+     400, ["nested deeper than 64"]),
+    ("nested 300 levels, chat", "/v1/chat/completions",
+     {"model": "m", "messages": CHAT, "x": json.loads('{"a":' * 300 + "1" + "}" * 300)},
+     400, ["nested deeper than 64"]),
+]
 
 
 def test_refused_requests_name_the_field_and_the_server_keeps_serving(server):
@@ -118,12 +163,19 @@ def test_refused_requests_name_the_field_and_the_server_keeps_serving(server):
     assert got == 413 and dt < 5
     assert healthy(server)
     assert probe(server) == before
-    # valid neighbours of the refused values still work
+    # valid neighbours of the refused values still work (a top_k above the vocabulary: every token)
     for body in ({"input_ids": [0, VOCAB - 1], "sampling_params": {"max_new_tokens": 2}},
                  {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB, "sampling_params": {"max_new_tokens": 1}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 2}}):
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 2}},
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 3.4e38, "top_k": VOCAB}},
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 2**31}},
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 10**12}},
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"5": -100}}}):
         got, out, _ = send(server, "/generate", body)
         assert got == 200, (body, out)
+    for path, make in ROUTES.items():  # a stream that passes validation still streams
+        got, out, _ = send(server, path, {**make(temperature=0.7, top_k=-1), "stream": True})
+        assert got == 200 and "data: [DONE]" in out, (path, out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +204,10 @@ def cls_prompts(rng):
 
 def cls_bad_json(rng):
     raws = [b"", b"{", b"[]", b"null", b"42", b'{"text": "hi",}', b'{"text": "\xff\xfe"}', b'{"text": "\\ud800"}',
-            b"{'text': 'hi'}", b'{"text": "hi"}' * 2, b"\x00" * 64, b'{"sampling_params": {"max_new_tokens": 1e999}}']
+            b"{'text': 'hi'}", b'{"text": "hi"}' * 2, b"\x00" * 64, b'{"sampling_params": {"max_new_tokens": 1e999}}',
+            # a RecursionError in the gate's json; a 500 further on
+            b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 30_000 + b"1" + b"}" * 30_000,
+            b"[" * 300 + b"]" * 300, b'{"text": "hi", "x": ' + b'{"a":' * 300 + b"1" + b"}" * 301]
     out = [(p, r) for r in raws for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
     out += [("/generate", (b'{"text": "hi"}', "text/plain"))]
     return out
@@ -204,6 +259,59 @@ def cls_lengths_and_sampling(rng):
             if name not in ("min_p", "repetition_penalty", "top_k"):
                 out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 3, name: v}))
     return out  # inf is sent as JSON's non-standard Infinity: a parse error the server must answer
+
+
+F32_EDGES = [3.4e38, 3.5e38, 1e39, 1e308, -3.5e38]  # float32's largest is 3.4028235e38
+I32_EDGES = [2**31 - 1, 2**31, 2**63, 10**12, -(2**31) - 1]
+HUGE = [10**400, -(10**400)]  # integer literals past float64, standing for +-inf
+NAN_STRINGS = ["NaN", "nan", "inf", "-Infinity", "Infinity"]
+EXTREMES = F32_EDGES + I32_EDGES + HUGE + NAN_STRINGS + [0, -1]
+OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+NUMERIC = ["temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+           "n", "max_new_tokens", "min_new_tokens", "sampling_seed"]
+
+
+def _on(path, field, value):
+    if path == "/generate":
+        return {"text": "hi", "sampling_params": {"max_new_tokens": 2, field: value}}
+    return {**ROUTES[path](), OPENAI_NAME.get(field, field): value}
+
+
+def cls_numeric_extremes(rng):
+    """float32 / int32 / float64 edges, NaN-like strings and zeros in every numeric sampling field
+    on every route: all of temperature and top_k (each took servers down), a sample of the rest,
+    and the worst of them streamed and batched."""
+    out = []
+    for path, make in ROUTES.items():
+        for field in NUMERIC:
+            values = EXTREMES if field in ("temperature", "top_k", "n") else rng.sample(EXTREMES, 5)
+            out += [(path, _on(path, field, v)) for v in values]
+        for v in rng.sample(F32_EDGES + HUGE + NAN_STRINGS, 4):
+            out.append((path, make(logit_bias={"5": v})))
+        for field, v in (("temperature", 1e39), ("top_k", 2**31), ("top_k", 0), ("n", 0), ("temperature", "NaN")):
+            out.append((path, {**_on(path, field, v), "stream": True}))
+    for field in ("stream_interval", "stop_token_ids"):
+        for v in I32_EDGES + HUGE:
+            out.append(("/generate", _on("/generate", field, [v] if field == "stop_token_ids" else v)))
+    for v in (1e39, 2**31, 0, 10**12):
+        sp = [{"max_new_tokens": 2}, {"max_new_tokens": 2, "temperature": v}, {"max_new_tokens": 2, "top_k": v}]
+        out.append(("/generate", {"text": ["a", "b", "c"], "sampling_params": sp}))
+        out.append(("/generate", {"text": ["a", "b", "c"], "sampling_params": sp, "stream": True}))
+    return out
+
+
+def cls_inf_literals(rng):
+    """Number literals some JSON parsers read as +-inf or NaN (1e999, and Python's NaN / Infinity;
+    SGLang's orjson refuses them), sent raw: json.dumps cannot write them."""
+    out = []
+    for lit in (b"1e999", b"-1e999", b"NaN", b"Infinity", b"-Infinity"):
+        for field in ("temperature", "top_p", "top_k", "n", "min_p", "repetition_penalty"):
+            out.append(("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 2, "' + field.encode()
+                        + b'": ' + lit + b"}}"))
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                body = json.dumps(ROUTES[path](**{field: "__LIT__"})).encode()
+                out.append((path, body.replace(b'"__LIT__"', lit)))
+    return out
 
 
 def cls_stops(rng):
@@ -285,8 +393,8 @@ def cls_streams(rng):
     return out
 
 
-CLASSES = [cls_prompts, cls_bad_json, cls_wrong_types, cls_lengths_and_sampling, cls_stops, cls_vocab,
-           cls_logprobs, cls_conflicts, cls_chat, cls_streams]
+CLASSES = [cls_prompts, cls_bad_json, cls_wrong_types, cls_lengths_and_sampling, cls_numeric_extremes,
+           cls_inf_literals, cls_stops, cls_vocab, cls_logprobs, cls_conflicts, cls_chat, cls_streams]
 
 
 def test_request_fuzz_never_breaks_the_server(server):
@@ -307,5 +415,34 @@ def test_request_fuzz_never_breaks_the_server(server):
             assert dt < SLOW, (dt,) + ctx
         total += len(cases)
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
-    assert total >= 300
+    assert total >= 900
     assert probe(server) == before
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_and_stalls_no_one(server):
+    """SGLang's scheduler clips a request's budget to the pool left after its prompt's pages and one
+    more page, and admits it only while prompt + budget + one page < pool (request_guard
+    .output_budget). A longer prompt used to be answered with no output after its whole prefill, or,
+    past pool - 1 page, never scheduled while every later request waited behind it. The limits come
+    from the server's own record; the longest prompt with room for output is served."""
+    info = server.server_info()
+    pool, page, ctx = info["max_total_num_tokens"], info["page_size"], info["context_length"]
+    avail = pool // page * page
+    most = avail - 2 * page  # the prompt's pages, one page of output, the page kept free per request
+    assert most + page < min(ctx, pool) - 6, "the pool must bind before SGLang's own input limit"
+    ids = lambda n: [(i * 7919) % (VOCAB - 1) + 1 for i in range(n)]  # noqa: E731
+    refused = [(most + 1, 4), (most + page, 1), (avail - page + 20, 60), (avail - page, 0)]
+    for n, m in refused:
+        got, out, dt = send(server, "/generate", {"input_ids": ids(n), "sampling_params": {"max_new_tokens": m}})
+        text = message(out)
+        assert got == 400, (n, m, got, text[:300])
+        for words in (f"input_ids: {n} prompt tokens + max_new_tokens {m}", f"holds {pool} tokens",
+                      f"{page}-token pages", "--max-total-tokens", f"At most {most} prompt tokens"):
+            assert words in text, (words, text)
+        assert dt < 10, (n, m, dt)
+    got, out, dt = send(server, "/generate", {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}})
+    assert got == 200 and len(out["output_ids"]) <= 4 and dt < 15, (got, dt, out)
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    got, out, _ = send(server, "/generate", {"input_ids": ids(most), "sampling_params": params})
+    assert got == 200 and len(out["output_ids"]) == 2, (got, str(out)[:300])
+    assert healthy(server)
