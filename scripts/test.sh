@@ -19,7 +19,7 @@ workers=${SGLANG_DSV4_TEST_WORKERS:-2}
 xdist=()
 [ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup)
 set +e
-.venv/bin/python -m pytest -q -rs --durations=15 "${xdist[@]}" "${select[@]}" tests "$@"
+.venv/bin/python -m pytest -q -rfEs --durations=15 "${xdist[@]}" "${select[@]}" tests "$@"
 rc=$?
 set -e
 echo "[test] total $((SECONDS - start)) s (setup included), pytest exit $rc"
