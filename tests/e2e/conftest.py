@@ -85,7 +85,7 @@ def _failed(request) -> bool:
 
 
 # The end-to-end run order, as (group, test id prefix): the users of each shared server side by side
-# (tests/e2e/pool.py), in groups of similar length. `scripts/test.sh` runs each group on one of
+# (tests/e2e/pool.py), the longest group first. `scripts/test.sh` runs each group on one of
 # two pytest-xdist workers (--dist loadgroup) and the unit tests on whichever is free. A test not
 # listed runs last, in its own group.
 SCHEDULE = [
@@ -135,11 +135,13 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Order the e2e tests by SCHEDULE (after the unit tests; under xdist the groups go first)."""
+    """The e2e tests first, in SCHEDULE order, then the unit tests: under xdist (scripts/test.sh
+    passes --no-loadscopereorder) the first groups (the longest first) start at once on the
+    workers, and the unit tests fill in behind them."""
     e2e = [it for it in items if "/e2e/" in f"/{it.nodeid}"]
     if e2e:
         e2e_ids = set(map(id, e2e))
-        items[:] = [it for it in items if id(it) not in e2e_ids] + sorted(e2e, key=_slot)
+        items[:] = sorted(e2e, key=_slot) + [it for it in items if id(it) not in e2e_ids]
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
