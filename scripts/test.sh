@@ -17,7 +17,7 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 workers=${SGLANG_DSV4_TEST_WORKERS:-2}
 xdist=()
-[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup --no-loadscopereorder)
+[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 set +e
 .venv/bin/python -m pytest -q -rfEs --durations=15 "${xdist[@]}" "${select[@]}" tests "$@"
 rc=$?

@@ -136,7 +136,7 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(config, items):
     """The e2e tests first, in SCHEDULE order, then the unit tests: under xdist (scripts/test.sh
-    passes --no-loadscopereorder) the first groups (the longest first) start at once on the
+    passes --no-loadscope-reorder) the first groups (the longest first) start at once on the
     workers, and the unit tests fill in behind them."""
     e2e = [it for it in items if "/e2e/" in f"/{it.nodeid}"]
     if e2e:
