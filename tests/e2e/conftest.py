@@ -85,9 +85,10 @@ def _failed(request) -> bool:
 
 
 # The end-to-end run order, as (group, test id prefix): the users of each shared server side by side
-# (tests/e2e/pool.py), the longest group first. `scripts/test.sh` runs each group on one of
-# two pytest-xdist workers (--dist loadgroup) and the unit tests on whichever is free. A test not
-# listed runs last, in its own group.
+# (tests/e2e/pool.py), the longest group first. `scripts/test.sh` runs them in one process by
+# default; with SGLANG_DSV4_TEST_WORKERS=2 each group goes to one of two pytest-xdist workers
+# (--dist loadgroup) and the unit tests to whichever is free. A test not listed runs last, in its
+# own group.
 SCHEDULE = [
     # DeepSeek-V4 across ranks (multi-process servers): the random checkpoint's layouts, the random
     # W8A8 checkpoint's one-rank server first
