@@ -97,9 +97,43 @@ _count_server_starts()
 _STATS_ENV = "SGLANG_DSV4_TEST_STATS_DIR"  # set by the main pytest process, inherited by xdist workers
 
 
+_zygote: list = []
+
+
 def pytest_configure(config):
     if _STATS_ENV not in os.environ:
         os.environ[_STATS_ENV] = tempfile.mkdtemp(prefix="sglang-dsv4-tests-")
+    if _runs_e2e(config):
+        _start_zygote()
+
+
+def _runs_e2e(config) -> bool:
+    for arg in config.args or ["."]:
+        path = os.path.abspath(arg.split("::")[0])
+        e2e = os.path.join(_REPO, "tests", "e2e")
+        if e2e.startswith(path + os.sep) or path == e2e or path.startswith(e2e + os.sep):
+            return True
+    return False
+
+
+def _start_zygote():
+    """Servers are forked from one process that imported SGLang once (tools/zygote.py says what
+    that changes): a start costs ~6 s instead of ~30 s. It imports in the background while the
+    tests are collected. SGLANG_DSV4_TEST_ZYGOTE=0 starts every server the plain way. Started by
+    the main pytest process only; xdist workers and the tests' subprocesses inherit the variable."""
+    from sglang_dsv4_ascend.tools import zygote
+
+    if os.environ.get("SGLANG_DSV4_TEST_ZYGOTE", "1") == "0" or os.environ.get(zygote.ENV):
+        return
+    d = tempfile.mkdtemp(prefix="sglang-dsv4-zygote-")
+    _zygote.append(zygote.start(os.path.join(d, "sock"), os.path.join(d, "zygote.log")))
+    os.environ[zygote.ENV] = os.path.join(d, "sock")
+
+
+def pytest_unconfigure(config):
+    for proc in _zygote:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def _stats_dir(config) -> str:

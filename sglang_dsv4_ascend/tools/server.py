@@ -51,8 +51,12 @@ class ServerFailed(RuntimeError):
 
 class SGLangServer:
     def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
-                 startup_timeout: float = 240.0):
+                 startup_timeout: float = 240.0, zygote: bool | None = None):
+        """zygote: launch through the pre-imported launcher named by $SGLANG_DSV4_ZYGOTE
+        (tools/zygote.py) -- None: when one is set and `env` does not select the platform;
+        False: always `python -m sglang.launch_server` in a fresh interpreter."""
         self.model_path = model_path
+        self.zygote = zygote
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.startup_timeout = startup_timeout
@@ -60,6 +64,7 @@ class SGLangServer:
         self.proc = None
         self.log_path = None
         self._reaper = None
+        self.launched_by = "python -m sglang.launch_server"
         self.log_mark = 0  # log_since() reads from here; a shared server's user moves it (mark())
 
     @property
@@ -73,8 +78,11 @@ class SGLangServer:
                "--host", HOST, "--port", str(self.port), "--dtype", "float32",
                "--max-total-tokens", "8192", "--skip-server-warmup", *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = self._forked(cmd[3:], env) if self._use_zygote() else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        log.close()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,6 +99,24 @@ class SGLangServer:
             time.sleep(0.25)
         self.stop()
         raise ServerFailed(f"server not healthy after {self.startup_timeout}s\n{self.log_tail()}")
+
+    def _use_zygote(self) -> bool:
+        from . import zygote
+
+        if self.zygote is False or not os.environ.get(zygote.ENV):
+            return False
+        return not any(k in self.env for k in zygote.IMPORT_TIME_ENV)
+
+    def _forked(self, argv: list, env: dict):
+        from . import zygote
+
+        try:
+            pid = zygote.launch(os.environ[zygote.ENV], argv, env, self.log_path)
+        except OSError as e:  # no zygote after all: start the plain way
+            print(f"[server] zygote unavailable ({e}); starting a fresh interpreter", file=sys.stderr)
+            return None
+        self.launched_by = "zygote"
+        return zygote.ForkedProcess(pid, self.log_path + ".rc")
 
     def stop(self, wait: bool = True) -> None:
         """SIGTERM the whole process group, SIGKILL it after 20 s. wait=False returns at once and

@@ -59,15 +59,15 @@ def servers(request, server_pool):
 
 @pytest.fixture
 def start_server(request):
-    """Factory for servers a test owns: start_server(model_path, *args, env=None) -> a running
+    """Factory for servers a test owns: start_server(model_path, *args, env=None, zygote=None) -> a running
     SGLangServer, stopped at teardown (without waiting for SGLang's shutdown); its log is printed
     when the test failed. Use it only where a shared server cannot do (tests/e2e/pool.py)."""
     owned = []
 
-    def _start(model_path, *args, env=None):
+    def _start(model_path, *args, env=None, zygote=None):
         if _pool:  # one server at a time per test process: the pooled one is not needed meanwhile
             _pool[0].release()
-        s = SGLangServer(model_path, *args, env=env)
+        s = SGLangServer(model_path, *args, env=env, zygote=zygote)
         owned.append(s)
         return s.start()
 

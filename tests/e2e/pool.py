@@ -15,6 +15,11 @@ again. The rules that keep sharing honest:
   may read the whole log.
 - A shared server's radix cache holds earlier tests' prefixes: a test that counts cached tokens
   flushes first.
+- Servers are forked from a process that imported SGLang once (tools/zygote.py, started by
+  tests/conftest.py), except the README's main configuration (DSpark adaptive on the trained
+  model, shared by test_trained_tiny.py, test_bench_serve.py and test_prefix_cache_serving.py):
+  it starts as a user's `python -m sglang.launch_server` does, with spawned scheduler and
+  detokenizer, so that path stays tested. A test that owns its server may pass `zygote=False`.
 - At most `SGLANG_DSV4_TEST_SERVERS` (default 1) pooled servers run at once per test process:
   the run order keeps the users of one server next to each other (SCHEDULE in
   tests/e2e/conftest.py), and an idle server is not free (a DP controller polls a core), so the
@@ -32,6 +37,13 @@ from sglang_dsv4_ascend.tools.server import SGLangServer
 
 def _key(model, args, env) -> tuple:
     return str(model), tuple(str(a) for a in args), tuple(sorted((env or {}).items()))
+
+
+def _readme_config() -> tuple:
+    from sglang_dsv4_ascend.bench import headline
+
+    path, env, flags = headline.METHODS["dspark_adaptive"]
+    return _key(path, (*headline.POOL, *flags), env)
 
 
 class SharedServerDied(RuntimeError):
@@ -58,7 +70,8 @@ class ServerPool:
         while len(self._alive) >= self.capacity:
             _, old = self._alive.popitem(last=False)
             self._stop(old)
-        srv = SGLangServer(model, *args, env=env, startup_timeout=startup_timeout).start()
+        zygote = False if key == _readme_config() else None
+        srv = SGLangServer(model, *args, env=env, startup_timeout=startup_timeout, zygote=zygote).start()
         self._alive[key] = srv
         return srv
 
