@@ -96,6 +96,7 @@ def _run_child(req: dict) -> None:
 
 
 def serve(path: str) -> None:
+    parent = os.getppid()  # before the imports: whoever started it may be gone by their end
     with open(path + ".pid", "w") as f:  # launch() waits only while this process lives
         f.write(str(os.getpid()))
     _preload()
@@ -125,7 +126,6 @@ def serve(path: str) -> None:
     srv.listen(16)
     os.rename(tmp, path)  # the socket appears only when the imports are done
     print(f"[zygote] ready in {time.monotonic() - T0:.1f} s at {path}", flush=True)
-    parent = os.getppid()
     srv.settimeout(1.0)
     try:
         while True:
