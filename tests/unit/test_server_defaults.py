@@ -41,8 +41,12 @@ RESOLVE = textwrap.dedent("""
 
 
 def resolve(model, cases, npu=False):
+    """Each case's flags resolved against `model` (a path, or None where the case names its own
+    --model-path) in one fresh process: SGLang's resolution is per-process state, and one import
+    of SGLang serves every case (an import costs ~15 s on the CI machine)."""
     r = subprocess.run([sys.executable, "-c", RESOLVE, "npu" if npu else "cpu",
-                        json.dumps([["--model-path", model, "--dtype", "float32", *c] for c in cases])],
+                        json.dumps([(["--model-path", model] if model else []) + ["--dtype", "float32", *c]
+                                    for c in cases])],
                        capture_output=True, text=True, timeout=600, env={**os.environ})
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, r.stdout[-3000:] + r.stderr[-3000:]
@@ -50,7 +54,23 @@ def resolve(model, cases, npu=False):
 
 
 @pytest.fixture(scope="module")
-def cpu_results(tiny_ckpt):
+def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+    from tiny_llama import write_tiny_llama
+
+    dspark = ["--model-path", tiny_checkpoint("flash", "dspark")]
+    llama = ["--model-path", write_tiny_llama(str(tmp_path_factory.mktemp("llama") / "llama"))]
+    flash = ["--model-path", tiny_ckpt("flash")]
+    others = {  # cases on other checkpoints
+        "dspark": [*dspark, "--speculative-algorithm", "DSPARK"],
+        "dspark_block6": [*dspark, "--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"],
+        # DP attention: SGLang's step wants --enable-dp-lm-head for its own head; ours never reads
+        # it, so it is declared for the step only
+        "dspark_dp_attention": [*dspark, "--speculative-algorithm", "dspark", "--tp-size", "2", "--dp-size", "2",
+                                "--enable-dp-attention"],
+        "nextn_on_dspark": [*dspark, "--speculative-algorithm", "nextn"],
+        "llama": [*llama, "--page-size", "64", "--kv-cache-dtype", "bf16"],
+    }
     cases = {
         "default": [],
         "explicit_256_requests": ["--max-running-requests", "256"],
@@ -86,7 +106,8 @@ def cpu_results(tiny_ckpt):
         "no_radix": ["--disable-radix-cache"],
         "other_radix_backend": ["--radix-cache-backend", "flexkv"],
     }
-    results, log = resolve(tiny_ckpt("flash"), list(cases.values()))
+    cases = {**{k: [*flash, *v] for k, v in cases.items()}, **others}
+    results, log = resolve(None, list(cases.values()))
     return dict(zip(cases, results)), log
 
 
@@ -161,19 +182,12 @@ def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):
     assert (tree["speculative_eagle_topk"], tree["speculative_num_steps"], tree["speculative_num_draft_tokens"]) == (4, 3, 8)
 
 
-def test_dspark_resolves_on_cpu_with_our_backend(tmp_path):
+def test_dspark_resolves_on_cpu_with_our_backend(cpu_results):
     """SGLang's DSpark step refuses CPU for its own kernels; ours runs it (hook #10) and keeps what
     it resolves: steps 1, topk 1, draft tokens = gamma + 1 (the checkpoint's 4, or the flag's), also
     under DP attention."""
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    ck = write_checkpoint(str(tmp_path / "dspark"), "flash", "dspark")
-    res, _ = resolve(ck, [["--speculative-algorithm", "DSPARK"],
-                          ["--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"],
-                          # DP attention: SGLang's step wants --enable-dp-lm-head for its own head;
-                          # ours never reads it, so it is declared for the step only
-                          ["--speculative-algorithm", "dspark", "--tp-size", "2", "--dp-size", "2",
-                           "--enable-dp-attention"]])
+    r, _ = cpu_results
+    res = [r["dspark"], r["dspark_block6"], r["dspark_dp_attention"]]
     assert res[2].get("enable_dp_lm_head") is False, res[2]
     for d, gamma in zip(res, (4, 6, 4)):
         assert "error" not in d, d
@@ -183,11 +197,8 @@ def test_dspark_resolves_on_cpu_with_our_backend(tmp_path):
             1, 1, gamma + 1), d
 
 
-def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(tmp_path):
-    from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-
-    dspark = write_checkpoint(str(tmp_path / "dspark"), "flash", "dspark")
-    (d,), _ = resolve(dspark, [["--speculative-algorithm", "nextn"]])
+def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(cpu_results):
+    d = cpu_results[0]["nextn_on_dspark"]
     assert "--speculative-algorithm nextn:" in d.get("error", "") and "DSpark draft" in d["error"], d
 
 
@@ -202,11 +213,8 @@ def test_npu_like_platform_gets_graphs_off_and_our_backend(tiny_ckpt):
     assert "graph capture disabled for DeepSeek-V4" in log
 
 
-def test_other_models_are_left_alone(tmp_path):
+def test_other_models_are_left_alone(cpu_results):
     """The DeepSeek-V4 refusals must not leak onto models the plugin does not own."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
-    from tiny_llama import write_tiny_llama
-
-    (d,), _ = resolve(write_tiny_llama(str(tmp_path / "llama")), [["--page-size", "64", "--kv-cache-dtype", "bf16"]])
+    d = cpu_results[0]["llama"]
     assert "error" not in d, d
     assert d["page_size"] == 64 and d["attention_backend"] == "torch_native"
