@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..ops.reference import pad_rows
 
 
 def hc_pre(streams: torch.Tensor, fn, base, scale, cfg):
@@ -32,6 +33,7 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
 
 def hc_head(streams: torch.Tensor, fn, base, scale, cfg) -> torch.Tensor:
     """Final collapse before the output norm: h = sum_i (sigmoid(mix_i*scale + base_i) + eps) X_i."""
-    mix = ops.mhc_mix(streams, fn, cfg.rms_norm_eps)
-    pre = torch.sigmoid(mix * scale.float() + base.float()) + cfg.hc_eps
+    # on padded rows, as mhc_weights (ops.reference.pad_rows: a decode row rounds as a verify row)
+    mix = ops.mhc_mix(pad_rows(streams), fn, cfg.rms_norm_eps)
+    pre = (torch.sigmoid(mix * scale.float() + base.float()) + cfg.hc_eps)[: streams.shape[0]]
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)

@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed.layout import Layout
+from ..ops.reference import pad_rows
 
 
 class Expert(nn.Module):
@@ -43,7 +44,9 @@ class Gate(nn.Module):
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
         """-> (expert ids [T, k], weights [T, k] fp32)."""
-        scores = ops.sqrtsoftplus(F.linear(y.float(), self.weight.float()))
+        # on padded rows (ops.reference.pad_rows): the fp32 scores and their softplus must round
+        # the same in a verify row as in a one-row decode, or a near-tie picks another expert
+        scores = ops.sqrtsoftplus(F.linear(pad_rows(y.float()), self.weight.float()))[: y.shape[0]]
         if self.is_hash:
             experts = self.tid2eid[input_ids].long()
         else:

@@ -35,10 +35,24 @@ class VocabParallelEmbedding(nn.Embedding):
         return f"vocab rows [{self.first}, {self.first + self.num_embeddings}) of {self.vocab_size}, dim {self.embedding_dim}"
 
 
-def head_logits(head: nn.Linear, hidden: torch.Tensor, layout: Layout, vocab_size: int) -> torch.Tensor:
-    """fp32 logits [T, vocab] from `head` (this rank's vocabulary rows when vocab-parallel)."""
-    local = F.linear(hidden.float(), head.weight.float())
-    return layout.attn_all_gather(local) if layout.vocab_parallel(vocab_size) else local
+def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """Logit columns computed as SGLang's LogitsProcessor computes a plain head's
+    (`_compute_lm_head`: `matmul(hidden.to(w.dtype), w.T)`, or in fp32 under --enable-fp32-lm-head
+    or for an fp32 model). Every logit the plugin computes itself -- speculative verify, drafts,
+    vocab-parallel columns -- goes through here, so a bf16 server rounds each row exactly as the
+    served head does without speculation, and greedy output cannot change at a near-tie. The cost:
+    bf16 logits are rounded to bf16 (as the served head's are); fp32 would be closer to exact but
+    would differ from the non-speculative path, and losslessness is judged against that path."""
+    dtype = torch.float32 if fp32 or hidden.dtype == torch.float32 else weight.dtype
+    return torch.matmul(hidden.to(dtype), weight.to(dtype).T)
+
+
+def head_logits(head: nn.Linear, hidden: torch.Tensor, layout: Layout, vocab_size: int,
+                fp32: bool = False) -> torch.Tensor:
+    """fp32 logits [T, vocab] from `head` (this rank's vocabulary rows when vocab-parallel), with
+    the served head's rounding (head_matmul)."""
+    local = head_matmul(hidden, head.weight, fp32)
+    return (layout.attn_all_gather(local) if layout.vocab_parallel(vocab_size) else local).float()
 
 
 class GatheredHead:
@@ -63,6 +77,4 @@ class GatheredHead:
     def apply(self, layer, hidden: torch.Tensor, bias=None) -> torch.Tensor:
         if bias is not None:
             raise ValueError("DeepSeek-V4's LM head has no bias")
-        w = self.head.weight
-        dtype = torch.float32 if hidden.dtype == torch.float32 else w.dtype
-        return self.layout.attn_all_gather(F.linear(hidden.to(dtype), w.to(dtype)))
+        return self.layout.attn_all_gather(head_matmul(hidden, self.head.weight))

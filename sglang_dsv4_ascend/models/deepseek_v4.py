@@ -55,6 +55,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         # compute_logits returns the whole vocabulary on every rank (a vocab-parallel head gathers
         # over attention TP itself, layers/vocab_parallel.py): SGLang's gather stays off.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
+        # the speculative engine's logits round as this processor's do (vocab_parallel.head_matmul)
+        self.model.fp32_head = bool(self.logits_processor.use_fp32_lm_head)
         head = self.model.head
         if self.layout.vocab_parallel(self.cfg.vocab_size):
             head = GatheredHead(head, self.layout)

@@ -105,6 +105,7 @@ class DSV4Model(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, dtype, device, self.layout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.head = nn.Linear(d, V, bias=False, dtype=dtype, device=device)
+        self.fp32_head = False  # the served head computes in fp32 (--enable-fp32-lm-head): set by the served model
         add_hc_head(self, cfg, device)
         cast_params(self, dtype)
         self.attention_impl = os.environ.get(ATTENTION_ENV, "batched")
@@ -162,8 +163,9 @@ class DSV4Model(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab] (the whole vocabulary on every rank)."""
-        return head_logits(self.head, hidden, self.layout, self.cfg.vocab_size)
+        """fp32 logits [T, vocab] (the whole vocabulary on every rank), rounded as the served head
+        rounds them (layers/vocab_parallel.head_matmul; `fp32_head` mirrors --enable-fp32-lm-head)."""
+        return head_logits(self.head, hidden, self.layout, self.cfg.vocab_size, self.fp32_head)
 
 
 def _check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:

@@ -61,10 +61,34 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
+def pad_rows(x: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` rows (none when it already is).
+
+    The CPU's kernels are not row-invariant on small tensors: an fp32 matmul takes gemv /
+    small-M kernels below 8 rows, whose reduction order differs from the blocked gemm's, and an
+    elementwise transcendental (exp, sigmoid, softplus) runs its last numel % 32 elements through
+    the scalar libm path instead of the vectorized one, which rounds differently (measured here,
+    AVX512: softplus differs on 60 of 512 elements of [64, 8] computed one row at a time). So a
+    verify forward's k rows and one-row decodes disagreed in the last bit, and in bf16 serving
+    such a bit moved a near-tie (issue #29). Computed on rows padded to 16, every row's ops see
+    the same kernel paths whatever the batch (tests/unit/test_logits_numerics.py). Other
+    platforms' kernels are their own: unverified there."""
+    pad = (multiple - x.shape[0] % multiple) % multiple
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_zeros([pad] + list(x.shape[1:]))])
+
+
+def row_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [T, K], w [N, K]) whose every row gets the same bits whatever T is (pad_rows)."""
+    return F.linear(pad_rows(x), w)[: x.shape[0]]
+
+
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """mix = fn · (v / rms(v)) with v = flatten(streams) in fp32: streams [T, n, d] -> [T, rows(fn)]."""
+    """mix = fn · (v / rms(v)) with v = flatten(streams) in fp32: streams [T, n, d] -> [T, rows(fn)]
+    (row-invariant: it decides the stream weights of every token)."""
     v = streams.flatten(-2).float()
-    return F.linear(rms_norm(v, None, norm_eps), fn.float())
+    return row_invariant_linear(rms_norm(v, None, norm_eps), fn.float())
 
 
 def mhc_weights(streams, fn, base, scale, n: int, iters: int, hc_eps: float, norm_eps: float):
@@ -72,13 +96,17 @@ def mhc_weights(streams, fn, base, scale, n: int, iters: int, hc_eps: float, nor
 
     pre_i  = sigmoid(mix_i * scale_0 + base_i) + hc_eps                (collapse n streams -> 1)
     post_i = 2 * sigmoid(mix_{n+i} * scale_1 + base_{n+i})             (expand output -> n streams)
-    comb   = sinkhorn(reshape(mix_{2n:} * scale_2 + base_{2n:}, n x n)) (stream mixing, [src, dst])"""
-    mix = mhc_mix(streams, fn, norm_eps)
+    comb   = sinkhorn(reshape(mix_{2n:} * scale_2 + base_{2n:}, n x n)) (stream mixing, [src, dst])
+
+    Computed on rows padded to 16 (pad_rows: the [T, n] sigmoids and the mix must not
+    round differently for a one-row decode than for a verify's rows)."""
+    rows = streams.shape[0]
+    mix = mhc_mix(pad_rows(streams), fn, norm_eps)
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (mix[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
-    return pre, post, sinkhorn(comb_logits, iters, hc_eps)
+    return pre[:rows], post[:rows], sinkhorn(comb_logits, iters, hc_eps)[:rows]
 
 
 def softmax_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -146,10 +174,21 @@ def _gather_rows(pool, rows, ok, dtype=torch.float32):
 
 def _attend_with_sink(q, v, ok, sink, scale: float):
     """One chunk of queries q [t, H, D] over their gathered keys v [t, K, D] (valid where ok):
-    softmax with the sink [1, H, 1] in the denominator. -> [t, H, D] in q's dtype."""
-    logits = torch.einsum("thd,tkd->thk", q.float(), v) * scale
+    softmax with the sink [1, H, 1] in the denominator. -> [t, H, D] in q's dtype.
+
+    Accumulated in fp64. A batched forward pads every row's key list to the widest row of the
+    batch (attention_backend/plan.py), and in fp32 the softmax and the value sum round
+    differently with a different count of masked slots: the same request gave different bits
+    alone and beside a longer one (measured on the trained tiny model: a prefill beside a long
+    neighbour differed in 1 of 6 cases), so a bf16 server's greedy output depended on what else
+    it served and could not equal itself with and without speculation (issue #29). fp64 leaves
+    a padding-dependent difference ~1e-16 relative, far below the rounding to q's dtype. The cost
+    is this op's arithmetic in fp64 on the CPU reference path (`bench step`); the Triton and NPU
+    kernels keep their own accumulation (unverified for batch invariance)."""
+    v = v.double()
+    logits = torch.einsum("thd,tkd->thk", q.double(), v) * scale
     logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
-    combined = torch.cat([logits, sink.expand(q.shape[0], -1, 1)], dim=-1)
+    combined = torch.cat([logits, sink.double().expand(q.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("thk,tkd->thd", probs, v).to(q.dtype)
 
