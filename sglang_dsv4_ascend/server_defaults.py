@@ -93,6 +93,12 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
              f"--quantization w8a8_ascend with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
              f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "
              f"activation scale); use --ep-size {cfg.tp_size}")
+    need(not getattr(cfg, "enable_deterministic_inference", False),
+         "--enable-deterministic-inference: SGLang's deterministic mode (its batch-invariant kernels, "
+         "split sizes and seeded sampling) is not implemented by the dsv4_ascend backend. Without the flag, "
+         "a bf16 model's greedy tokens were the same alone, batched and with speculation in every check on the "
+         "CPU reference (tests/unit/test_logits_numerics.py, tests/e2e/test_bf16_lossless.py); in fp32, and "
+         "on an NPU, that is not established. Drop the flag")
     need(cfg.kv_cache_dtype == "auto",
          f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
          "dtype; supported: auto")

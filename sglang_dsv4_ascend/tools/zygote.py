@@ -43,11 +43,11 @@ ENV = "SGLANG_DSV4_ZYGOTE"  # the socket path; SGLangServer launches through it 
 
 
 def _preload() -> None:
-    import sglang.srt.entrypoints.http_server  # noqa: F401  (most of the import time)
-    import sglang.srt.managers.detokenizer_manager  # noqa: F401
-    import sglang.srt.managers.scheduler  # noqa: F401
+    import sglang.launch_server
+    import sglang.srt.entrypoints.http_server  # most of the ~11 s
+    import sglang.srt.managers.detokenizer_manager
+    import sglang.srt.managers.scheduler
     import sglang.srt.server_args  # noqa: F401
-    import sglang.launch_server  # noqa: F401
 
 
 def _run_child(req: dict) -> None:

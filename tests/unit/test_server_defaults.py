@@ -104,6 +104,7 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "graph_explicit": ["--cuda-graph-backend-decode", "full"],
         "backend_triton": ["--attention-backend", "triton"],
         "no_radix": ["--disable-radix-cache"],
+        "deterministic": ["--enable-deterministic-inference"],
         "other_radix_backend": ["--radix-cache-backend", "flexkv"],
     }
     cases = {**{k: [*flash, *v] for k, v in cases.items()}, **others}
@@ -153,6 +154,7 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
     ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
     ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
+    ("deterministic", "--enable-deterministic-inference: SGLang's deterministic mode"),
 ])
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
     r, _ = cpu_results
