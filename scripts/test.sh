@@ -2,12 +2,13 @@
 # The test command (README, .ci/run): set up the environment if needed, then run the tests.
 #   bash scripts/test.sh           every test (what CI runs)
 #   bash scripts/test.sh --quick   the unit tests and one end-to-end smoke test (the inner loop)
-# Further arguments go to pytest (a path or -k narrows the run). One process by default;
-# SGLANG_DSV4_TEST_WORKERS=2 runs two pytest-xdist workers: the end-to-end groups
+# Further arguments go to pytest (a path or -k narrows the run). Two pytest-xdist workers by
+# default (SGLANG_DSV4_TEST_WORKERS, 0 = one process): the end-to-end groups
 # (tests/e2e/conftest.py SCHEDULE) each on one worker, the unit tests on whichever is free, one
 # torch thread per worker (two workers of two OpenMP threads on two cores spin in each other's
-# barriers: measured, test_dspark's sampling tests ran for 45+ minutes). Every run ends with its
-# 15 slowest tests, the server starts and the total time.
+# barriers: measured, test_dspark's sampling tests ran for 45+ minutes). Measured on the 2-core
+# machine, the whole suite: 717 s with two workers, 1030 s in one process. Every run ends with
+# its 15 slowest tests, the server starts and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -17,7 +18,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   select=(-m "not e2e or smoke")
 fi
-workers=${SGLANG_DSV4_TEST_WORKERS:-0}
+workers=${SGLANG_DSV4_TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" -gt 0 ]; then
   xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)

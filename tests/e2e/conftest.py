@@ -85,10 +85,10 @@ def _failed(request) -> bool:
 
 
 # The end-to-end run order, as (group, test id prefix): the users of each shared server side by side
-# (tests/e2e/pool.py), the longest group first. `scripts/test.sh` runs them in one process by
-# default; with SGLANG_DSV4_TEST_WORKERS=2 each group goes to one of two pytest-xdist workers
-# (--dist loadgroup) and the unit tests to whichever is free. A test not listed runs last, in its
-# own group.
+# (tests/e2e/pool.py), the longest group first. `scripts/test.sh` sends each group to one of two
+# pytest-xdist workers (--dist loadgroup) and the unit tests to whichever is free
+# (SGLANG_DSV4_TEST_WORKERS=0: one process, this order). A test not listed runs last, in its own
+# group.
 SCHEDULE = [
     # DeepSeek-V4 across ranks (multi-process servers): the random checkpoint's layouts, the random
     # W8A8 checkpoint's one-rank server first
@@ -117,6 +117,8 @@ SCHEDULE = [
     ("nextn", "test_dsv4_serving.py"),
     ("nextn", "test_platform_serving.py"),
     ("nextn", "test_dsv4_bad_input.py"),
+    # the shipped model in bf16 (its own servers: one reference, every method)
+    ("bf16", "test_bf16_lossless.py"),
 ]
 
 

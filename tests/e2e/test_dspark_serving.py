@@ -132,14 +132,24 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
             emitted = 1 + sum((k + 1) * v for k, v in enumerate(hist))
             assert n == emitted if i < len(chunks) - 1 else n <= emitted, (i, n, hist)
     assert chunks[-1]["meta_info"]["completion_tokens"] == N_NEW
-    # OpenAI stream: the stats ride in every token chunk with return_spec_tokens_details, and
-    # the chunks (count, text) are those of the same stream without the flag
+    # OpenAI stream: the stats ride in every token chunk with return_spec_tokens_details, and the
+    # flag adds no chunk of its own. Where a round's tokens are cut into chunks depends on timing
+    # (a busy client or detokenizer coalesces rounds: seen under load, ' brown' + ' now' in one
+    # run and ' brown now' in the other), so the streams are compared by their text and by the
+    # chunks without a token, not chunk by chunk.
     plain, withstats = _openai_stream(srv, prompts[2], False), _openai_stream(srv, prompts[2], True)
-    assert [c["choices"][0].get("text") for c in plain if c.get("choices")] == \
-        [c["choices"][0].get("text") for c in withstats if c.get("choices")]
-    # no chunk is added before or between tokens (SGLang's own sglext-only chunk follows the last one)
-    assert [bool(c.get("choices")) for c in plain] == [bool(c.get("choices")) for c in withstats][: len(plain)]
-    assert not any(c.get("choices") for c in withstats[len(plain):])
+
+    def text(cs):
+        return "".join(c["choices"][0].get("text") or "" for c in cs if c.get("choices"))
+
+    def tokenless(cs):  # choice chunks that carry no text and do not finish
+        return sum(1 for c in cs if c.get("choices") and not c["choices"][0].get("text")
+                   and c["choices"][0].get("finish_reason") is None)
+
+    assert text(plain) == text(withstats) and tokenless(withstats) <= tokenless(plain)
+    # nothing after the finishing chunk carries a choice (SGLang's own sglext-only chunk follows it)
+    end = next(i for i, c in enumerate(withstats) if c.get("choices") and c["choices"][0].get("finish_reason"))
+    assert not any(c.get("choices") for c in withstats[end + 1:])
     assert not any((c.get("sglext") or {}).get("spec_tokens_details") for c in plain[:-2])
     rounds = 0
     token_chunks = [c for c in withstats if c.get("choices") and c["choices"][0].get("finish_reason") is None]
