@@ -16,10 +16,11 @@ the rows of the incomplete blocks from earlier forwards, which the cache keeps.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.reference import row_invariant_linear
+from ..ops.reference import pad_rows
 from . import RMSNorm
 
 
@@ -35,10 +36,11 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor):
         """(k, g) rows for every token, fp32 as in the official code. The ape is added at pooling."""
-        xf = x.float()
-        # row-invariant: a row's compressor state must not depend on how many rows its forward had
-        # (a verify's k rows vs one-row decodes), or a bf16 server's output moves with speculation
-        return row_invariant_linear(xf, self.wkv.weight.float()), row_invariant_linear(xf, self.wgate.weight.float())
+        # on padded rows (ops.reference.pad_rows), padded once for both projections: a row's
+        # compressor state must not depend on how many rows its forward had (a verify's k rows vs
+        # one-row decodes), or a bf16 server's output moves with speculation
+        xf, rows = pad_rows(x.float()), x.shape[0]
+        return F.linear(xf, self.wkv.weight.float())[:rows], F.linear(xf, self.wgate.weight.float())[:rows]
 
     def first_needed_position(self, start: int) -> int:
         """Oldest position whose rows a forward starting at `start` must read back: the start of the
