@@ -193,6 +193,7 @@ HOOK_CHAT_STREAM_TARGET = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServ
 HOOK_COMPLETION_STREAM_TARGET = ("sglang.srt.entrypoints.openai.serving_completions:"
                                  "OpenAIServingCompletion._generate_completion_stream")
 HOOK_OUTPUT_METRICS_TARGET = "sglang.srt.beam_search.output:try_build_beam_search_out_dict"
+HOOK_SPEC_METRICS_TARGET = "sglang.srt.managers.tokenizer_manager:TokenizerManager._calculate_spec_decoding_metrics"
 HOOK_SPEC_WORKER_TARGET = "sglang.srt.speculative.spec_info:SpeculativeAlgorithm.get_platform_worker_cls"
 HOOK_LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation:get_last_loc"
 HOOK_ASSIGN_TARGET = "sglang.srt.mem_cache.allocation:assign_req_to_token_pool_func"
@@ -244,6 +245,8 @@ HOOKS: list = [
          _hook(HOOK_MLP_SYNC_TARGET, ".platforms.cpu_alloc:prepare_mlp_sync_batch", "AROUND")),
     Hook("spec_stats_every_output", HOOK_OUTPUT_METRICS_TARGET, ("recv_obj", "i", "meta_info"),
          _hook(HOOK_OUTPUT_METRICS_TARGET, ".spec_stream:every_output_metrics", "BEFORE")),
+    Hook("spec_accept_length_from_rounds", HOOK_SPEC_METRICS_TARGET, ("self", "meta_info", "recv_obj", "i"),
+         _hook(HOOK_SPEC_METRICS_TARGET, ".spec_stream:verify_round_metrics", "AROUND")),
     Hook("spec_stats_every_chat_chunk", HOOK_CHAT_STREAM_TARGET,
          ("self", "adapted_request", "request", "raw_request"),
          _hook(HOOK_CHAT_STREAM_TARGET, ".spec_stream:stream_with_stats", "AROUND")),

@@ -1,10 +1,10 @@
-"""Speculative statistics in every stream chunk (hooks #10-#12 in patches/README.md).
+"""Speculative statistics in every stream chunk (hooks #10-#12 and #15 in patches/README.md).
 
 SGLang computes a request's speculative counters (`spec_verify_ct`, `spec_accept_length`, the
 histograms, ...) into meta_info only when the request finishes, and its OpenAI streams put
 `sglext.spec_tokens_details` into the final chunk only. `every_output_metrics` computes the same
 counters (SGLang's own `_calculate_spec_decoding_metrics`) for every output, so every native
-stream chunk carries them; with `"return_spec_tokens_details": true`, `stream_with_stats` adds the
+stream chunk carries them (with `verify_round_metrics`' accept length: verify-round tokens only); with `"return_spec_tokens_details": true`, `stream_with_stats` adds the
 same `SpecTokensDetails`
 (SGLang's own builder, its field names) and the request's `cached_tokens` so far to every chunk
 that has choices, from the meta_info of the output that chunk was made from.
@@ -17,6 +17,32 @@ without the flag stream exactly as before.
 from __future__ import annotations
 
 import json
+
+
+def _at(recv_obj, name, i):
+    values = getattr(recv_obj, name, None)
+    return values[i] if values is not None and len(values) > i else None
+
+
+def verify_round_metrics(orig, self, meta_info, recv_obj, i):
+    """AROUND SGLang's `_calculate_spec_decoding_metrics`: `spec_accept_length` counts the tokens
+    verify rounds committed, per round (1 + correct drafts / rounds, bonus included), so it never
+    exceeds `speculative_num_draft_tokens`. SGLang divides all completion tokens by the rounds,
+    which counts the prefill's token and every token a request decoded as a plain one-token step
+    riding a mixed chunk (`--enable-mixed-chunk`): 8.7-9.8 for block size 4 was reported. A request
+    that had no verify round (one output token, or every step mixed) still carries the counters,
+    at zero, where SGLang left them out."""
+    orig(self, meta_info, recv_obj, i)
+    rounds = _at(recv_obj, "spec_verify_ct", i)
+    if rounds is None:
+        return None
+    correct = _at(recv_obj, "spec_num_correct_drafts", i) or 0
+    if rounds > 0:
+        meta_info["spec_accept_length"] = 1 + correct / rounds
+    else:
+        meta_info.update(spec_verify_ct=0, spec_num_correct_drafts=0, spec_num_proposed_drafts=0,
+                         spec_accept_rate=0.0, spec_accept_length=0.0)
+    return None
 
 
 def every_output_metrics(recv_obj, i, meta_info):
@@ -32,7 +58,8 @@ def every_output_metrics(recv_obj, i, meta_info):
             return None
     except ValueError:
         return None
-    # the method reads only its arguments (and the spec config); it has no instance state
+    # the method reads only its arguments (and the spec config); it has no instance state. Called
+    # through the class, it is the hooked one (verify_round_metrics), as for a finished request.
     TokenizerManager._calculate_spec_decoding_metrics(None, meta_info, recv_obj, i)
     return None
 

@@ -36,8 +36,9 @@ DESCRIPTION = {
     "tpot_ms": "(last token chunk - first token chunk) / (output tokens - 1), per request",
     "itl_ms": "a token chunk with n tokens arriving dt after the previous token chunk contributes n samples "
               "of dt / n (pooled over the level's requests)",
-    "accept_length": "the server's spec_accept_length (output tokens / verify rounds) from the request's last "
-                     "sglext.spec_tokens_details",
+    "accept_length": "the server's spec_accept_length (tokens verify rounds committed / verify rounds) from "
+                     "the request's last sglext.spec_tokens_details; accept_length_mean is over requests "
+                     "with at least one round",
     "acceptance_per_position": "p_j = rounds with >= j correct drafts / rounds with >= j-1, from "
                                "spec_correct_drafts_histogram (level: histograms summed over requests); "
                                "null where no round reached position j-1",
@@ -87,6 +88,12 @@ def _positions(details: dict) -> int:
         return len(hist) - 1  # one bin per accepted-draft count 0..depth (a tree's depth, not its nodes)
     rounds, proposed = details.get("spec_verify_ct") or 0, details.get("spec_num_proposed_drafts") or 0
     return round(proposed / rounds) if rounds else 0
+
+
+def _mean_accept_length(specs):
+    """Over requests that had a verify round (one without reports 0, which is no length)."""
+    lens = [d["spec_accept_length"] for d in specs if d.get("spec_verify_ct")]
+    return round(sum(lens) / len(lens), 4) if lens else None
 
 
 def pct(xs, p):
@@ -205,7 +212,7 @@ def run_level(args, prompts, c: int) -> tuple:
         "ttft_ms": summary([r["ttft_ms"] for r in ok if "ttft_ms" in r]),
         "tpot_ms": summary([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]),
         "itl_ms": summary([x for r in ok for x in r["itl_ms"]]),
-        "accept_length_mean": round(sum(d["spec_accept_length"] for d in specs) / len(specs), 4) if specs else None,
+        "accept_length_mean": _mean_accept_length(specs),
         "acceptance_per_position": acceptance(hist, npos) if specs else None,
         "correct_drafts_histogram": hist if specs else None,  # rounds with k correct drafts, pooled
         "draft_positions": npos if specs else None,

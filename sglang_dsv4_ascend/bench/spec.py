@@ -79,8 +79,8 @@ IN_PROCESS_METRICS = {
     "lossless": "greedy spec output == no-spec output for every request",
 }
 SERVER_METRICS = {
-    "spec_accept_length": "as SGLang computes it: completion_tokens / spec_verify_ct, summed over the batch "
-                          "(counts the prefill's token)",
+    "spec_accept_length": "completion_tokens / spec_verify_ct, summed over the batch (counts the prefill's "
+                          "token; the server's own per-request field counts verify-round tokens only)",
     "spec_correct_drafts_histogram": "rounds by accepted drafts (0..steps), summed over the batch",
     "mean_accept_length": "from the histogram: 1 + mean accepted drafts per round",
     "accept_rate_by_depth": "from the histogram: [k-1] = fraction of rounds accepting >= k drafts",

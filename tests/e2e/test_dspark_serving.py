@@ -7,6 +7,8 @@ acceptance, whose known pattern the reported per-request stats must reproduce in
 chunk."""
 
 import json
+import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -164,3 +166,62 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     rec = info["internal_states"][0]["dspark_info_record"]
     assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",
                                                                    "commit", "extend"}
+
+
+def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_path):
+    """--enable-mixed-chunk with 128-token prefill chunks: while later prompts prefill, the running
+    requests ride along each chunk as plain one-token decodes (SGLang's mixed step), tokens no
+    verify round committed. A request's accept length counts its rounds' tokens only
+    (1 + correct drafts / rounds), at most the block + 1, where SGLang's completion tokens / rounds
+    went above it (8.7-9.8 for block 4 was reported). Every request
+    carries its counters, in every chunk, a request with no round too (at zero), and the output is
+    the no-speculation output."""
+    gamma, short, late = 4, [0, 1, 2, 3], [4, 5, 6]  # 40-token prompts; then 110, 124 and 193 tokens
+    modes = ["full"] * 4 + ["partial:2"] * 3 + ["zero"]
+    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
+    srv = dspark_server(servers, ckpt, "static", "--chunked-prefill-size", "128", "--enable-mixed-chunk",
+                        "--disable-radix-cache", env=env)
+    started = [threading.Event() for _ in short]
+    chunks = {}
+
+    def stream(k):
+        chunks[k] = []
+        r = requests.post(f"{srv.url}/generate", json={"input_ids": prompts[k], "stream": True, "sampling_params": {
+            "max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=300)
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks[k].append(json.loads(line[6:]))
+                started[k].set()
+
+    with ThreadPoolExecutor(len(short) + len(late) + 1) as ex:
+        streams = [ex.submit(stream, k) for k in short]
+        assert all(e.wait(120) for e in started), "the first requests never started decoding"
+        # the later prompts prefill in chunks while the first ones decode
+        later = [ex.submit(srv.generate, prompts[k], N_NEW, ignore_eos=True) for k in late]
+        one = ex.submit(srv.generate, prompts[7], 1)
+        for f in streams:
+            f.result()
+        outs = {k: chunks[k][-1] for k in short} | {k: f.result() for k, f in zip(late, later)}
+        one = one.result()
+    assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_since()), "no mixed step ran"
+    assert {k: o["output_ids"] for k, o in outs.items()} == {k: reference[k] for k in outs}
+    for k in short:  # (a native stream's chunks carry the output so far)
+        assert all("spec_verify_ct" in c["meta_info"] for c in chunks[k])  # the prefill's chunk too
+    rounds_without_mixing = -(-(N_NEW - 1) // (gamma + 1))
+    mixed = 0
+    for k, out in outs.items():
+        m = out["meta_info"]
+        hist, rounds = m["spec_correct_drafts_histogram"], m["spec_verify_ct"]
+        assert sum(hist) == rounds > 0, (k, m)
+        assert m["spec_accept_length"] == pytest.approx(1 + m["spec_num_correct_drafts"] / rounds), (k, m)
+        assert 1 <= m["spec_accept_length"] <= gamma + 1, (k, m)
+        # every round but possibly the last (the replayed reference ends at N_NEW) accepts its mode's
+        assert hist[gamma if modes[k] == "full" else 2] >= rounds - 1, (k, hist)
+        if modes[k] == "full":
+            # a round commits at most gamma + 1 tokens: fewer rounds than that allows for N_NEW - 1
+            # tokens means some came from mixed steps (SGLang's accept length was then > gamma + 1)
+            mixed += rounds < rounds_without_mixing
+    assert mixed, "no running request decoded a token in a mixed step"
+    m = one["meta_info"]
+    assert len(one["output_ids"]) == 1 and m["spec_verify_ct"] == 0 and m["spec_accept_length"] == 0.0
