@@ -89,6 +89,7 @@ def _failed(request) -> bool:
 # pytest-xdist workers (--dist loadgroup) and the unit tests to whichever is free
 # (SGLANG_DSV4_TEST_WORKERS=0: one process, this order). A test not listed runs last, in its own
 # group.
+FUZZ = "test_request_boundary.py::test_request_fuzz_never_breaks_the_server"
 SCHEDULE = [
     # DeepSeek-V4 across ranks (multi-process servers): the random checkpoint's layouts, the random
     # W8A8 checkpoint's one-rank server first
@@ -98,7 +99,11 @@ SCHEDULE = [
     ("ranks", "test_parallel_serving.py::test_data_parallel"),
     ("ranks", "test_parallel_serving.py::test_a_layout"),
     # speculation across ranks on the trained model (one group with the above: two multi-rank
-    # servers at once on two cores starve each other's collectives)
+    # servers at once on two cores starve each other's collectives); the boundary fuzz right after
+    # the two-rank DSpark server's own test
+    ("ranks", "test_parallel_serving.py::test_speculation_on_two_ranks_is_lossless_and_in_sync[nextn_"),
+    ("ranks", "test_parallel_serving.py::test_speculation_on_two_ranks_is_lossless_and_in_sync[dspark_adaptive-dp2]"),
+    ("ranks", f"{FUZZ}[dspark_adaptive_tp2]"),
     ("ranks", "test_parallel_serving.py"),
     # DSpark on the random checkpoint; the trained model's methods, each server's users together
     ("spec", "test_dspark_serving.py"),
@@ -107,7 +112,7 @@ SCHEDULE = [
     *[("spec", f"{test}[{method}]") for method in ("nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static",
                                                      "dspark_adaptive")
       for test in ("test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
-                   "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold")],
+                   "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold", FUZZ)],
     ("spec", "test_bench_serve.py"),  # DSpark adaptive
     ("spec", "test_trained_tiny.py"),
     # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals

@@ -2,26 +2,35 @@
 
 1. Each class the plugin refuses gets a 4xx whose message names the field and range, the server
    keeps serving, and a fixed greedy probe returns the same tokens afterwards.
-2. A fuzz run: about a thousand generated malformed or extreme requests (fixed seed) across
-   /generate, /v1/completions and /v1/chat/completions, streamed and batched too (numeric extremes:
-   float32 / int32 / float64 edges, +-inf as huge or non-standard literals, NaN-like strings, zeros):
-   no 5xx, none slower than a bound, /health OK after each class, the probe unchanged at the end.
+2. A fuzz run: about a thousand generated malformed or extreme requests (fixed seed, four in
+   flight) across /generate, /v1/completions and /v1/chat/completions, streamed and batched too
+   (numeric extremes: float32 / int32 / float64 edges, +-inf as huge or non-standard literals,
+   NaN-like strings, zeros), against a server without speculation, DSpark adaptive, NextN tree
+   (topk 4) and DSpark adaptive under --tp-size 2: no 5xx, none slower than a bound, /health OK
+   and no KV token held after each class, the probe unchanged at the end.
 3. A prompt the KV pool cannot hold with room for output (limits from /get_server_info) is refused
    at once, a small request right after it is answered promptly, and the longest prompt that fits
    is served.
 """
 
 import json
+import os
 import random
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_dsv4_ascend.bench import headline
+from sglang_dsv4_ascend.distributed.spec_sync import CHECK_ENV
+
 pytestmark = pytest.mark.e2e
 
-VOCAB = 1024  # the tiny checkpoint's
+VOCAB = 1024  # the random tiny checkpoint's
+DESYNC_MARK = "speculative decisions differ across TP ranks"
+CONCURRENCY = 4  # fuzz requests in flight at once
 SLOW = 30.0  # seconds: no single request may take longer (valid ones generate <= 8 tokens)
 PROBE = {"input_ids": [5, 77, 300, 12, 9, 640, 41, 2, 18, 999, 3, 64, 128, 256, 511, 7, 8, 30],
          "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
@@ -47,6 +56,37 @@ def send(srv, path, body, *, raw: bytes | None = None, ctype="application/json")
         return status, json.loads(text), dt
     except json.JSONDecodeError:
         return status, text, dt
+
+
+def unbounded(path, body) -> bool:
+    """A request with no output bound (sampling_params null / {} / [], max_new_tokens or max_tokens
+    null or absent): valid, and the trained model writes until its EOS, minutes on this CPU."""
+    if not isinstance(body, dict):
+        return False
+    if path == "/generate":
+        sp = body.get("sampling_params")
+        return sp in (None, {}, []) or (isinstance(sp, dict) and sp.get("max_new_tokens") is None)
+    return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+
+
+def send_and_hang_up(srv, path, body, chunks=3):
+    """Stream it, read a few chunks, hang up (SGLang aborts the request when its stream's client is
+    gone) -> (status, first chunks or error body, seconds)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(srv.url + path, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=SLOW) as r:
+            status, seen = r.status, []
+            for line in r:
+                if line.startswith(b"data: "):
+                    seen.append(line.decode(errors="replace"))
+                if len(seen) >= chunks:
+                    break
+            text = "".join(seen)
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode(errors="replace")
+    return status, text, time.monotonic() - t0
 
 
 def probe(srv):
@@ -179,7 +219,8 @@ def test_refused_requests_name_the_field_and_the_server_keeps_serving(server):
 
 
 # ------------------------------------------------------------------------------------------------
-# Fuzz: generated requests, fixed seed. Each class returns (path, body or raw bytes) pairs.
+# Fuzz: generated requests, fixed seed. Each class returns (path, body or raw bytes) pairs for a
+# server whose vocabulary has V tokens.
 
 GARBAGE = ["", " ", "\x00", "\ufffd" * 5, "😀" * 40, "\u202e\u200b", "<｜begin▁of▁sentence｜>" * 3,
            "<｜User｜><｜Assistant｜>", "\\u0000", "a" * 3000, "\n" * 200, "ﷺ" * 30]
@@ -190,7 +231,7 @@ def _gen(rng, ids=None):
     return {"sampling_params": {"max_new_tokens": rng.randint(0, 4)}, **(ids or {"text": rng.choice(GARBAGE)})}
 
 
-def cls_prompts(rng):
+def cls_prompts(rng, V):
     out = []
     for _ in range(20):
         out.append(("/generate", _gen(rng)))
@@ -202,7 +243,7 @@ def cls_prompts(rng):
     return out
 
 
-def cls_bad_json(rng):
+def cls_bad_json(rng, V):
     raws = [b"", b"{", b"[]", b"null", b"42", b'{"text": "hi",}', b'{"text": "\xff\xfe"}', b'{"text": "\\ud800"}',
             b"{'text': 'hi'}", b'{"text": "hi"}' * 2, b"\x00" * 64, b'{"sampling_params": {"max_new_tokens": 1e999}}',
             # a RecursionError in the gate's json; a 500 further on
@@ -213,7 +254,7 @@ def cls_bad_json(rng):
     return out
 
 
-def cls_wrong_types(rng):
+def cls_wrong_types(rng, V):
     fields = {
         "/generate": ["text", "input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num",
                       "logprob_start_len", "rid", "lora_path", "return_text_in_logprobs"],
@@ -240,14 +281,14 @@ def cls_wrong_types(rng):
     return out
 
 
-def cls_lengths_and_sampling(rng):
+def cls_lengths_and_sampling(rng, V):
     out = []
     for v in (-10**9, -1, 0, 10**5, 10**9, 2**63, 1e30):
         out.append(("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": v}}))
         out.append(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": v}))
         out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": v}))
     extremes = {"temperature": [-1, -1e-9, 0, 1e-30, 1e9, float("inf")], "top_p": [-1, 0, 1e-9, 1.0001, 5],
-                "top_k": [-2, 0, 1, VOCAB, VOCAB * 10], "min_p": [-0.5, 0, 1, 2],
+                "top_k": [-2, 0, 1, V, V * 10], "min_p": [-0.5, 0, 1, 2],
                 "frequency_penalty": [-3, 3, 1e9], "presence_penalty": [-3, 3], "repetition_penalty": [-1, 0, 1e9],
                 "n": [0, -1, 2, 3], "seed": [-1, 2**64]}
     for name, values in extremes.items():
@@ -277,7 +318,7 @@ def _on(path, field, value):
     return {**ROUTES[path](), OPENAI_NAME.get(field, field): value}
 
 
-def cls_numeric_extremes(rng):
+def cls_numeric_extremes(rng, V):
     """float32 / int32 / float64 edges, NaN-like strings and zeros in every numeric sampling field
     on every route: all of temperature and top_k (each took servers down), a sample of the rest,
     and the worst of them streamed and batched."""
@@ -300,7 +341,7 @@ def cls_numeric_extremes(rng):
     return out
 
 
-def cls_inf_literals(rng):
+def cls_inf_literals(rng, V):
     """Number literals some JSON parsers read as +-inf or NaN (1e999, and Python's NaN / Infinity;
     SGLang's orjson refuses them), sent raw: json.dumps cannot write them."""
     out = []
@@ -314,34 +355,34 @@ def cls_inf_literals(rng):
     return out
 
 
-def cls_stops(rng):
+def cls_stops(rng, V):
     out = []
     for k in (0, 1, 33, 1000):
         stops = ["".join(rng.choice("abc ") for _ in range(rng.randint(1, 6))) for _ in range(k)]
         out.append(("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "stop": stops}}))
         out.append(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "stop": stops}))
-    for ids in ([], [0], [VOCAB + 3], [-1], list(range(2000))):
+    for ids in ([], [0], [V + 3], [-1], list(range(2000))):
         out.append(("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "stop_token_ids": ids}}))
     out.append(("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "stop": ["x" * 100000]}}))
     return out
 
 
-def cls_vocab(rng):
+def cls_vocab(rng, V):
     out = []
     for _ in range(30):
-        ids = [rng.randint(0, VOCAB - 1) for _ in range(rng.randint(1, 40))]
-        ids[rng.randrange(len(ids))] = rng.choice([VOCAB, VOCAB + 1, 2**31 - 1, 2**40, -1, -(2**31)])
+        ids = [rng.randint(0, V - 1) for _ in range(rng.randint(1, 40))]
+        ids[rng.randrange(len(ids))] = rng.choice([V, V + 1, 2**31 - 1, 2**40, -1, -(2**31)])
         out.append(("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}))
         out.append(("/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 2}))
-    out.append(("/generate", {"input_ids": [[1, 2], [3, VOCAB]], "sampling_params": {"max_new_tokens": 2}}))
-    out.append(("/v1/completions", {"model": "m", "prompt": [[1, 2], [VOCAB, 3]], "max_tokens": 2}))
+    out.append(("/generate", {"input_ids": [[1, 2], [3, V]], "sampling_params": {"max_new_tokens": 2}}))
+    out.append(("/v1/completions", {"model": "m", "prompt": [[1, 2], [V, 3]], "max_tokens": 2}))
     out.append(("/generate", {"input_ids": [[]], "sampling_params": {"max_new_tokens": 2}}))
     return out
 
 
-def cls_logprobs(rng):
+def cls_logprobs(rng, V):
     out = []
-    for k in (-(2**31), -1, 0, 1, 5, VOCAB - 1, VOCAB, VOCAB + 1, 10**6):
+    for k in (-(2**31), -1, 0, 1, 5, V - 1, V, V + 1, 10**6):
         for start in (-9, -1, 0, 2, 100):
             out.append(("/generate", {"input_ids": [1, 2, 3, 4], "return_logprob": True, "top_logprobs_num": k,
                                       "logprob_start_len": start, "sampling_params": {"max_new_tokens": 2}}))
@@ -349,12 +390,12 @@ def cls_logprobs(rng):
                                         "echo": rng.random() < 0.5}))
         out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 2, "logprobs": True,
                                              "top_logprobs": k}))
-    out.append(("/generate", {"text": "hi", "return_logprob": True, "token_ids_logprob": [VOCAB + 4],
+    out.append(("/generate", {"text": "hi", "return_logprob": True, "token_ids_logprob": [V + 4],
                               "sampling_params": {"max_new_tokens": 2}}))
     return out
 
 
-def cls_conflicts(rng):
+def cls_conflicts(rng, V):
     return [
         ("/generate", {"text": "hi", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"text": ["a", "b"], "input_ids": [[1], [2]], "sampling_params": {"max_new_tokens": 2}}),
@@ -368,7 +409,7 @@ def cls_conflicts(rng):
     ]
 
 
-def cls_chat(rng):
+def cls_chat(rng, V):
     msgs = [[], [{}], [{"role": "user"}], [{"content": "hi"}], [{"role": "bogus", "content": "hi"}],
             [{"role": "user", "content": None}], [{"role": "user", "content": 5}],
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
@@ -386,9 +427,9 @@ def cls_chat(rng):
     return out
 
 
-def cls_streams(rng):
+def cls_streams(rng, V):
     out = []
-    for path, body in cls_vocab(rng)[:6] + cls_conflicts(rng)[:3] + cls_logprobs(rng)[::9]:
+    for path, body in cls_vocab(rng, V)[:6] + cls_conflicts(rng, V)[:3] + cls_logprobs(rng, V)[::9]:
         out.append((path, {**body, "stream": True}))
     return out
 
@@ -397,26 +438,76 @@ CLASSES = [cls_prompts, cls_bad_json, cls_wrong_types, cls_lengths_and_sampling,
            cls_inf_literals, cls_stops, cls_vocab, cls_logprobs, cls_conflicts, cls_chat, cls_streams]
 
 
-def test_request_fuzz_never_breaks_the_server(server):
+# The speculative and parallel servers the fuzz also runs against: (headline method, flags,
+# environment) on top of headline.METHODS, the same keys their other tests use, so no server starts
+# for the fuzz alone (tests/e2e/conftest.py SCHEDULE puts each next to its other users).
+SPECULATIVE = {
+    "dspark_adaptive": ("dspark_adaptive", (), {}),
+    "nextn_tree4": ("nextn_tree4", (), {}),
+    # test_parallel_serving.py's: the cross-rank decision check on, so a desync would stop it
+    "dspark_adaptive_tp2": ("dspark_adaptive", ("--tp-size", "2"), {CHECK_ENV: "1"}),
+}
+
+
+def fuzz_server(request, servers, config):
+    """-> (server, its vocabulary size)."""
+    if config == "no_speculation":
+        return request.getfixturevalue("server"), VOCAB
+    method, flags, env = SPECULATIVE[config]
+    path, method_env, method_flags = headline.METHODS[method]
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    return servers.get(path, *headline.POOL, *method_flags, *flags, env={**method_env, **env}), vocab
+
+
+def used_tokens(srv) -> int:
+    """KV tokens held by requests (SGLang counts radix-cached ones as evictable, not used)."""
+    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
+        return sum(load["num_used_tokens"] for load in json.loads(r.read())["loads"])
+
+
+def settled(srv, timeout=20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (n := used_tokens(srv)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return n
+
+
+@pytest.mark.parametrize("config", ["no_speculation", *SPECULATIVE])
+def test_request_fuzz_never_breaks_the_server(request, servers, config):
+    """The same classes against a server without speculation, DSpark adaptive, NextN tree (topk 4)
+    and DSpark adaptive on two ranks: no 5xx, no request over the bound, /health OK and no KV
+    token left held after each class, the greedy probe unchanged at the end (and on two ranks,
+    the decision check silent). A valid request without an output bound is streamed and dropped
+    after its first chunks."""
+    server, vocab = fuzz_server(request, servers, config)
     rng = random.Random(20261202)
     before = probe(server)
     total = 0
+
+    def one(case):
+        path, body = case
+        if isinstance(body, tuple):
+            return send(server, path, None, raw=body[0], ctype=body[1])
+        if isinstance(body, bytes):
+            return send(server, path, None, raw=body)
+        if unbounded(path, body):  # streamed and dropped: the abort must free its cache too
+            return send_and_hang_up(server, path, body)
+        return send(server, path, body)
+
     for cls in CLASSES:
-        cases = cls(rng)
-        for path, body in cases:
-            if isinstance(body, tuple):
-                status, out, dt = send(server, path, None, raw=body[0], ctype=body[1])
-            elif isinstance(body, bytes):
-                status, out, dt = send(server, path, None, raw=body)
-            else:
-                status, out, dt = send(server, path, body)
-            ctx = (cls.__name__, path, json.dumps(body, default=repr)[:300], status, str(out)[:300])
-            assert status < 500, ctx
-            assert dt < SLOW, (dt,) + ctx
+        cases = cls(rng, vocab)
+        with ThreadPoolExecutor(CONCURRENCY) as ex:  # batched with each other, as clients would be
+            for (path, body), (status, out, dt) in zip(cases, ex.map(one, cases)):
+                ctx = (cls.__name__, path, json.dumps(body, default=repr)[:300], status, str(out)[:300])
+                assert status < 500, ctx
+                assert dt < SLOW, (dt,) + ctx
         total += len(cases)
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
+        assert settled(server) == 0, f"KV tokens still held after {cls.__name__}"
     assert total >= 900
     assert probe(server) == before
+    assert DESYNC_MARK not in server.log_text()
 
 
 def test_a_request_the_pool_cannot_hold_is_refused_and_stalls_no_one(server):
