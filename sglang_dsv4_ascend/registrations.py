@@ -12,12 +12,9 @@ import os
 import sys
 
 from .compat import Hook
-from .server_defaults import BACKEND_NAME
+from .names import BACKEND_NAME, DSV4_ARCH, DSV4_ARCHS, MODELS_PACKAGE, QUANT_METHOD, RADIX_BACKEND
 
 logger = logging.getLogger("sglang_dsv4_ascend")
-
-DSV4_ARCHS = ("DeepseekV4ForCausalLM",)
-MODELS_PACKAGE = "sglang_dsv4_ascend.models"
 
 
 def _install_models():
@@ -55,10 +52,10 @@ def _install_attention_backend():
 def _install_radix_cache():
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from .attention_backend.radix import NAME, create_dsv4_radix_cache
+    from .attention_backend.radix import create_dsv4_radix_cache
 
-    if NAME not in registered_radix_cache_backends():
-        register_radix_cache_backend(NAME, create_dsv4_radix_cache)
+    if RADIX_BACKEND not in registered_radix_cache_backends():
+        register_radix_cache_backend(RADIX_BACKEND, create_dsv4_radix_cache)
 
 
 def _install_model_override():
@@ -128,7 +125,7 @@ def _handle_eagle_family(orig, server_args):
     ours is declared back right after (the last declaration wins)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .server_defaults import BACKEND_NAME, declared_during
+    from .server_defaults import declared_during
 
     cfg = resolving_view(server_args)
     if not (cfg.attention_backend == BACKEND_NAME and (cfg.speculative_eagle_topk or 1) > 1):
@@ -151,7 +148,7 @@ def _handle_dspark(orig, server_args):
     gamma from --speculative-dspark-block-size or the checkpoint) is kept."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .server_defaults import BACKEND_NAME, declared_during
+    from .server_defaults import declared_during
 
     cfg = resolving_view(server_args)
     during, after = {}, {}
@@ -206,20 +203,20 @@ def _install_quantization():
     from sglang.srt.arg_groups import choices
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
 
-    from .quantization.w8a8_ascend import NAME, W8A8AscendConfig
+    from .quantization.w8a8_ascend import W8A8AscendConfig
 
-    QUANTIZATION_METHODS[NAME] = W8A8AscendConfig
-    if NAME not in choices.QUANTIZATION_CHOICES:
-        choices.add_quantization_method_choices([NAME])
+    QUANTIZATION_METHODS[QUANT_METHOD] = W8A8AscendConfig
+    if QUANT_METHOD not in choices.QUANTIZATION_CHOICES:
+        choices.add_quantization_method_choices([QUANT_METHOD])
 
 
 # (name, installer) pairs for the components that exist.
 COMPONENTS: list = [
-    ("model:DeepseekV4ForCausalLM", _install_models),
+    (f"model:{DSV4_ARCH}", _install_models),
     (f"attention_backend:{BACKEND_NAME}", _install_attention_backend),
-    ("model_override:DeepseekV4ForCausalLM", _install_model_override),
-    ("radix_cache:dsv4_ascend", _install_radix_cache),
-    ("quantization:w8a8_ascend", _install_quantization),
+    (f"model_override:{DSV4_ARCH}", _install_model_override),
+    (f"radix_cache:{RADIX_BACKEND}", _install_radix_cache),
+    (f"quantization:{QUANT_METHOD}", _install_quantization),
 ]
 
 HOOKS: list = [

@@ -73,6 +73,8 @@ import struct
 import sys
 from dataclasses import dataclass
 
+from .names import DSV4_ARCHS
+
 MAX_N_ENV = "SGLANG_DSV4_MAX_N"
 MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
 DEFAULT_MAX_N = 64
@@ -424,7 +426,6 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
 def validate_one_request_hook(self, obj, input_ids):
     """BEFORE hook on `TokenizerManager._validate_one_request(self, obj, input_ids)`."""
     hf = self.model_config.hf_config
-    from .registrations import DSV4_ARCHS
 
     arch = (getattr(hf, "architectures", None) or [None])[0]
     check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
@@ -495,8 +496,6 @@ def _serves_dsv4() -> bool:
     """Whether this server's model is DeepSeek-V4 (from its config.json; False when unknown)."""
     try:
         from sglang.srt.runtime_context import get_server_args
-
-        from .registrations import DSV4_ARCHS
 
         with open(os.path.join(get_server_args().model_path, "config.json")) as f:
             return (json.load(f).get("architectures") or [None])[0] in DSV4_ARCHS

@@ -24,18 +24,20 @@ import json
 import logging
 import os
 
+from .names import (
+    BACKEND_NAME,
+    CPU_DSV4_MAX_RUNNING_REQUESTS,
+    CPU_MAX_TOTAL_TOKENS,
+    DSPARK_ALGO,
+    DSV4_ARCHS,
+    PAGE_SIZE,
+    QUANT_METHOD,
+    RADIX_BACKEND,
+    SPEC_ALGOS,
+)
+
 logger = logging.getLogger("sglang_dsv4_ascend")
 
-BACKEND_NAME = "dsv4_ascend"
-RADIX_BACKEND = "dsv4_ascend"  # --radix-cache-backend (attention_backend/radix.py)
-PAGE_SIZE = 128  # every compression ratio (4, 128) divides it: entries stay page-aligned
-# On CPU (RAM shared with everything else) bound the request slots and the context: SGLang's
-# req_to_token keeps a context-wide row per slot (1M positions for DeepSeek-V4) and each slot
-# carries fixed rings. User flags still win.
-CPU_DSV4_MAX_RUNNING_REQUESTS = 16
-NEXTN_ALGOS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE for MTP heads
-DSPARK_ALGO = "DSPARK"
-SPEC_ALGOS = NEXTN_ALGOS + (DSPARK_ALGO,)  # what our speculative worker serves
 
 
 def _raw(server_args, name):
@@ -89,8 +91,8 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
         from .distributed.layout import layout_problems
 
         out += layout_problems(hf, cfg.tp_size, cfg.ep_size, dp, dp_attn)
-        need(cfg.quantization != "w8a8_ascend" or cfg.ep_size == cfg.tp_size,
-             f"--quantization w8a8_ascend with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
+        need(cfg.quantization != QUANT_METHOD or cfg.ep_size == cfg.tp_size,
+             f"--quantization {QUANT_METHOD} with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
              f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "
              f"activation scale); use --ep-size {cfg.tp_size}")
     need(not getattr(cfg, "enable_deterministic_inference", False),
@@ -160,7 +162,7 @@ def speculative_problems(cfg) -> list[str]:
                              "or dspark speculation")
     dspark = algo == DSPARK_ALGO
     worker, draft = ("DSpark", "DSpark draft") if dspark else ("NextN", "NextN block")
-    need(cfg.quantization != "w8a8_ascend", f"{flag} with --quantization w8a8_ascend: the W8A8 {draft} is "
+    need(cfg.quantization != QUANT_METHOD, f"{flag} with --quantization {QUANT_METHOD}: the W8A8 {draft} is "
                                             "not wired yet; serve the float checkpoint for speculation")
     for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
         value = getattr(cfg, name, 1.0)
@@ -245,9 +247,6 @@ def model_adjustments(server_args, previous):
     """Resolution hook around `handle_model_specific_adjustments`."""
     from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 
-    from .platforms.cpu import DEFAULT_MAX_TOTAL_TOKENS
-    from .registrations import DSV4_ARCHS
-
     cfg = resolving_view(server_args)
     hf = model_config_of(server_args).hf_config
     if (getattr(hf, "architectures", None) or [None])[0] not in DSV4_ARCHS:
@@ -264,7 +263,7 @@ def model_adjustments(server_args, previous):
         decl["radix_cache_backend"] = RADIX_BACKEND
     if cfg.device == "cpu":
         if cfg.context_length is None:
-            cap = cfg.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+            cap = cfg.max_total_tokens or CPU_MAX_TOTAL_TOKENS
             decl["context_length"] = int(min(getattr(hf, "max_position_embeddings", cap), cap))
         if cfg.max_running_requests is None:  # read before SGLang's DeepSeek-V4 step defaults it to 256
             decl["max_running_requests"] = CPU_DSV4_MAX_RUNNING_REQUESTS
@@ -299,7 +298,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
     """What is wrong with a local DeepSeek-V4 checkpoint for the settings `cfg`, one message each."""
     from .config import DSV4Config
-    from .quantization.w8a8_ascend import DESCRIPTION_FILE, NAME
+    from .quantization.w8a8_ascend import DESCRIPTION_FILE
 
     out = []
     try:
@@ -316,12 +315,12 @@ def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
         method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
         out.append(f"config.json quantization_config ({method}): FP8 / FP4 released weights are not supported by "
                    "sglang-dsv4-ascend yet; use a bf16 checkpoint or a ModelSlim W8A8 one")
-    if quant == NAME and not has_description:
-        out.append(f"--quantization {NAME}: {model_dir} has no {DESCRIPTION_FILE}, so it is not a ModelSlim W8A8 "
+    if quant == QUANT_METHOD and not has_description:
+        out.append(f"--quantization {QUANT_METHOD}: {model_dir} has no {DESCRIPTION_FILE}, so it is not a ModelSlim W8A8 "
                    "checkpoint; write one with `python -m sglang_dsv4_ascend.tools.quantize_w8a8 IN_DIR OUT_DIR`, "
                    "or drop the flag to serve the float weights")
-    elif quant not in (None, NAME):
-        out.append(f"--quantization {quant}: not supported for DeepSeek-V4 by sglang-dsv4-ascend; supported: {NAME} "
+    elif quant not in (None, QUANT_METHOD):
+        out.append(f"--quantization {quant}: not supported for DeepSeek-V4 by sglang-dsv4-ascend; supported: {QUANT_METHOD} "
                    f"(a ModelSlim W8A8 checkpoint with {DESCRIPTION_FILE}) or none (bf16 / fp16 / fp32 weights)")
     return out
 
@@ -329,8 +328,6 @@ def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
 def checkpoint_checks(server_args, previous):
     """Resolution hook around `handle_model_source_paths` (model path resolved, nothing parsed)."""
     from sglang.srt.arg_groups.overrides import resolving_view
-
-    from .registrations import DSV4_ARCHS
 
     previous(server_args)
     cfg = resolving_view(server_args)

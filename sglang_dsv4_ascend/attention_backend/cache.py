@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..names import PAGE_SIZE
 from .prefix_state import PrefixStates, restore_state, save_states, state_lists
 
 COMPRESSOR = "compressor"  # the layer's main KV compressor (CSA or HCA)
@@ -100,7 +101,7 @@ class _LayerState:
     entries: dict  # name -> [P // ratio, dim], row = token-slot id of the block's first token // ratio
 
 
-ENTRY_ALIGN = 128  # every compression ratio divides it; token-slot pages must be multiples of it
+ENTRY_ALIGN = PAGE_SIZE  # every compression ratio divides it; token-slot pages must be multiples of it
 
 
 class DSV4Cache:

@@ -21,8 +21,6 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
-NAME = "dsv4_ascend"
-
 
 class DSV4RadixCache(RadixCache):
     def __init__(self, params):

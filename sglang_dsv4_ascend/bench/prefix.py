@@ -31,10 +31,11 @@ def memory(name: str) -> dict:
     from ..attention_backend.cache import DSV4Cache
     from ..attention_backend.prefix_state import PrefixStates
     from ..config import DSV4Config
+    from ..names import PAGE_SIZE
     from .cache import CONFIGS
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
-    page, ctx = 128, 131072
+    page, ctx = PAGE_SIZE, 131072
     # entries only: one slot whose rings are excluded, per token slot
     cache = DSV4Cache(cfg, 1, ctx, dtype=torch.bfloat16, device="meta")
     nb = cache.nbytes()

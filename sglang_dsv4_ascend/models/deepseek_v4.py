@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
+from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
 from ..distributed.layout import Layout, log_layout
 from ..layers.vocab_parallel import GatheredHead
 from .dsv4_core import DSV4Model
@@ -44,10 +45,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype(), layout=self.layout)
         self.quant_description = None
         if quant_config is not None:
-            if quant_config.get_name() != "w8a8_ascend":
+            if quant_config.get_name() != QUANT_METHOD:
                 raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: --quantization {quant_config.get_name()!r} is "
                                  "not supported; use a bf16 checkpoint or a ModelSlim W8A8 one with "
-                                 "--quantization w8a8_ascend")
+                                 f"--quantization {QUANT_METHOD}")
             from ..quantization.w8a8 import apply_quant_description
 
             self.quant_description = quant_config.description
@@ -175,8 +176,6 @@ def _draft_kind(cfg) -> str | None:
         algo = (get_spec().speculative_algorithm or "").upper()
     except ValueError:  # "config namespace 'spec' not published": outside a server, no worker asks
         return None
-    from ..server_defaults import DSPARK_ALGO, NEXTN_ALGOS
-
     if algo in NEXTN_ALGOS and cfg.num_nextn_predict_layers >= 1:
         return "nextn"
     if algo == DSPARK_ALGO and cfg.dspark_target_layer_ids:

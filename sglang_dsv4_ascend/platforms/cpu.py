@@ -18,13 +18,11 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from ..names import CPU_MAX_TOTAL_TOKENS, SPEC_ALGOS
 from .threads import BIND_ENV, THREADS_ENV, rank_core_bind, scheduler_threads
 
 logger = logging.getLogger(__name__)
 
-# Uncapped, SGLang sizes the KV pool from "free device memory" = free RAM (measured: 15 GB for a
-# tiny model). A CPU server shares RAM with everything else, so cap it unless the user chose.
-DEFAULT_MAX_TOTAL_TOKENS = 32768
 # An idle scheduler polls its sockets in a busy loop: one full core per server with no requests
 # (measured 1.01 cores on the 2-core CI machine; 0.01-0.02 with --sleep-on-idle, same throughput).
 SLEEP_ON_IDLE_ENV = "SGLANG_DSV4_CPU_SLEEP_ON_IDLE"  # 0 keeps SGLang's busy polling
@@ -68,9 +66,9 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             logger.info("CPU reference platform: %d ranks bound to cores %s (%s to change)", ranks,
                         os.environ[BIND_ENV], BIND_ENV)
         if getattr(server_args, "max_total_tokens", None) is None:
-            server_args.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
+            server_args.max_total_tokens = CPU_MAX_TOTAL_TOKENS
             logger.info("CPU reference platform: capping the KV pool at %d tokens "
-                        "(--max-total-tokens to change)", DEFAULT_MAX_TOTAL_TOKENS)
+                        "(--max-total-tokens to change)", CPU_MAX_TOTAL_TOKENS)
 
     def post_load_model(self, model) -> None:
         """In each scheduler process, after the model is loaded: its intra-op thread count."""
@@ -91,8 +89,6 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
         # EAGLE/NEXTN: our DeepSeek-V4 worker (other models get SGLang's, which may not run here).
-        from sglang_dsv4_ascend.server_defaults import SPEC_ALGOS
-
         return str(algorithm).upper() in SPEC_ALGOS
 
     def get_speculative_worker_cls(self, algorithm: str):

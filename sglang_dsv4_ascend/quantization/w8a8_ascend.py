@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 
-NAME = "w8a8_ascend"
+from ..names import QUANT_METHOD
+
 DESCRIPTION_FILE = "quant_model_description.json"
 # Released DeepSeek-V4 tensor names: how a ModelSlim description of a V4 checkpoint looks.
 _DSV4_MARKERS = (".attn.wq_a.", ".attn.wkv.", ".ffn.experts.", ".ffn.shared_experts.")
@@ -36,7 +37,7 @@ class W8A8AscendConfig(QuantizationConfig):
         self.description = {k: v for k, v in description.items() if k != "quant_method"}
 
     def get_name(self) -> str:
-        return NAME
+        return QUANT_METHOD
 
     def get_supported_act_dtypes(self) -> List[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
@@ -57,8 +58,8 @@ class W8A8AscendConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
         if not isinstance(hf_quant_cfg, dict) or hf_quant_cfg.get("quant_method") != "modelslim":
             return None
-        if user_quant == NAME or (user_quant in (None, "modelslim") and is_dsv4_description(hf_quant_cfg)):
-            return NAME
+        if user_quant == QUANT_METHOD or (user_quant in (None, "modelslim") and is_dsv4_description(hf_quant_cfg)):
+            return QUANT_METHOD
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

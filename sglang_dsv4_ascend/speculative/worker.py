@@ -25,7 +25,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
 from ..models.dspark import load_sts, sts_path
-from ..server_defaults import DSPARK_ALGO, SPEC_ALGOS
+from ..names import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
 from ..distributed.spec_sync import RankSync
 from .engine import NextNEngine, SpecEngine, check_tree_shape
@@ -39,7 +39,7 @@ logger = logging.getLogger("sglang_dsv4_ascend")
 def _serves_dsv4() -> bool:
     from sglang.srt.runtime_context import get_server_args
 
-    from ..registrations import DSV4_ARCHS
+    from ..names import DSV4_ARCHS
 
     path = os.path.join(get_server_args().model_path, "config.json")
     try:

@@ -29,6 +29,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..names import DSV4_ARCH
+
 SPECIAL_TOKENS = [
     "<｜begin▁of▁sentence｜>",  # 0 = bos, as in the released tokenizer
     "<｜end▁of▁sentence｜>",  # 1 = eos
@@ -111,7 +113,7 @@ def build_config(p: Preset, draft: str) -> dict:
     n = len(p.compress_ratios)
     n_draft = 3 if draft == "dspark" else 1
     cfg = {
-        "architectures": ["DeepseekV4ForCausalLM"],
+        "architectures": [DSV4_ARCH],
         "model_type": "deepseek_v4",
         "vocab_size": p.vocab_size,
         "hidden_size": p.hidden_size,

@@ -1,6 +1,7 @@
 """How `w8a8_ascend` claims ModelSlim checkpoints in SGLang's quantization detection."""
 
-from sglang_dsv4_ascend.quantization.w8a8_ascend import NAME, W8A8AscendConfig
+from sglang_dsv4_ascend.names import QUANT_METHOD as NAME
+from sglang_dsv4_ascend.quantization.w8a8_ascend import W8A8AscendConfig
 
 DSV4_DESC = {"quant_method": "modelslim", "model_quant_type": "W8A8_DYNAMIC",
              "layers.0.attn.wq_a.weight": "W8A8_DYNAMIC", "layers.0.attn.wo_a.weight": "FLOAT"}
