@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
-FORCE_REFERENCE_ENV = "SGLANG_DSV4_FORCE_REFERENCE"
+from . import settings
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,7 +27,7 @@ def device_family() -> str:
 
 
 def force_reference() -> bool:
-    return os.environ.get(FORCE_REFERENCE_ENV, "0") not in ("", "0", "false", "False")
+    return settings.FORCE_REFERENCE.get()
 
 
 def kernel_family() -> str:

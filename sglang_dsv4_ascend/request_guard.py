@@ -73,11 +73,9 @@ import struct
 import sys
 from dataclasses import dataclass
 
+from . import settings
 from .names import DSV4_ARCHS
 
-MAX_N_ENV = "SGLANG_DSV4_MAX_N"
-MAX_BYTES_ENV = "SGLANG_DSV4_MAX_REQUEST_BYTES"
-DEFAULT_MAX_N = 64
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
 FLOAT32_MAX = 3.4028234663852886e38
@@ -93,26 +91,13 @@ class RequestRejected(ValueError):
     """A request the server will not run; SGLang answers ValueErrors from validation with 400."""
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
-    return value
-
-
 def max_n() -> int:
-    return _env_int(MAX_N_ENV, DEFAULT_MAX_N)
+    return settings.MAX_N.get()
 
 
 def max_body_bytes(context_len: int | None) -> int:
     default = max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * int(context_len or 0))
-    return _env_int(MAX_BYTES_ENV, default)
+    return settings.MAX_REQUEST_BYTES.get(default=default)
 
 
 def _is_int(v) -> bool:
@@ -143,7 +128,7 @@ def check_n(params: dict) -> None:
         raise RequestRejected(f"n = {_short(n)}: expected an integer in [1, {limit}] (parallel samples per request)")
     if n > limit:
         raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request, expected an integer in "
-                              f"[1, {limit}] ({MAX_N_ENV} to change)")
+                              f"[1, {limit}] ({settings.MAX_N.name} to change)")
 
 
 def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = None) -> dict:
@@ -554,7 +539,7 @@ class RequestGate:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _drain(receive)
             return await self._reject(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
-                                                 f"{limit} bytes ({MAX_BYTES_ENV} to change)")
+                                                 f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)")
         # Read the (bounded) body here; a chunked one has no length header, so count what arrives.
         chunks, size = [], 0
         while True:
@@ -567,7 +552,7 @@ class RequestGate:
                 if message.get("more_body", False):
                     await _drain(receive)
                 return await self._reject(send, 413, f"request body of {size}+ bytes exceeds the limit of "
-                                                     f"{limit} bytes ({MAX_BYTES_ENV} to change)")
+                                                     f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)")
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)

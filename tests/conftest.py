@@ -10,6 +10,12 @@ import pytest
 # Shared test helpers (prompts.py, e2e/pool.py, e2e/spec_prompts.py) import by plain module name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from sglang_dsv4_ascend import settings  # noqa: E402
+
+# The test-only settings (the replay drafter, the desync injection) are refused unless this is on;
+# xdist workers and every server the tests start inherit it.
+os.environ[settings.TESTING.name] = "1"
+
 # A user's clone stands alone: nothing the tests run may read the development checkout's sibling
 # folder `shared` (prompt sets and notes that users do not have). An audit hook records every
 # file this process opens or lists there, and the session fails if there was any.
@@ -94,7 +100,7 @@ def _count_server_starts():
 _count_server_starts()
 
 
-_STATS_ENV = "SGLANG_DSV4_TEST_STATS_DIR"  # set by the main pytest process, inherited by xdist workers
+_STATS_ENV = settings.TEST_STATS_DIR.name  # set by the main pytest process, inherited by xdist workers
 
 
 _zygote: list = []
@@ -123,11 +129,11 @@ def _start_zygote():
     the main pytest process only; xdist workers and the tests' subprocesses inherit the variable."""
     from sglang_dsv4_ascend.tools import zygote
 
-    if os.environ.get("SGLANG_DSV4_TEST_ZYGOTE", "1") == "0" or os.environ.get(zygote.ENV):
+    if not settings.TEST_ZYGOTE.get() or settings.ZYGOTE.is_set():
         return
     d = tempfile.mkdtemp(prefix="sglang-dsv4-zygote-")
     _zygote.append(zygote.start(os.path.join(d, "sock"), os.path.join(d, "zygote.log")))
-    os.environ[zygote.ENV] = os.path.join(d, "sock")
+    os.environ[settings.ZYGOTE.name] = os.path.join(d, "sock")
 
 
 def pytest_unconfigure(config):

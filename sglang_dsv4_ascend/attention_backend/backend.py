@@ -9,13 +9,13 @@ geometry and the pools.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..models.dsv4_core import ATTENTION_ENV, Segment
+from .. import settings
+from ..models.dsv4_core import Segment
 
 
 @dataclass
@@ -67,7 +67,7 @@ class DSV4AscendBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata = None
         # The per-segment definition (SGLANG_DSV4_ATTENTION=segments) needs no plan.
-        self.build_plans = os.environ.get(ATTENTION_ENV, "batched") == "batched"
+        self.build_plans = settings.ATTENTION.get() == "batched"
         self._slot_generation: dict = {}  # req slot -> SGLang's allocation generation we last saw
         self.resumed: list = []
 

@@ -15,7 +15,8 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
-from ..attention_backend.cache import ENTRY_ALIGN, DSV4Cache
+from .. import settings
+from .cache import ENTRY_ALIGN, DSV4Cache
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class DSV4TokenToKVPool(KVCache):
             st = self.cache.enable_prefix_states(page=page_size).stats()
             logger.info("dsv4_ascend prefix states: %d x %.2f MiB = %.1f MiB (set %s to change the count)",
                         st["capacity"], st["bytes"] / st["capacity"] / 2**20, st["bytes"] / 2**20,
-                        "SGLANG_DSV4_PREFIX_STATES")
+                        settings.PREFIX_STATES.name)
         nb = self.cache.nbytes()
         logger.info("dsv4_ascend cache: %d request slots x %d tokens (+%d speculative rows), %s",
                     num_slots, max_context_len, spec_slack,

@@ -49,12 +49,12 @@ boundaries of long prompts age out.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 
-STATES_ENV = "SGLANG_DSV4_PREFIX_STATES"
+from .. import settings
+
 OVERLAP_ROWS = 4  # the C4 block before the boundary, read by the overlapping compressors
 
 
@@ -64,7 +64,7 @@ class PrefixStates:
         keeps its own rows but uses the target's keys and indices, so a state covers target and
         draft together, and saving a draft row never evicts anything."""
         if capacity <= 0:
-            raise ValueError(f"{STATES_ENV}={capacity}: the prefix state store needs at least one state")
+            raise ValueError(f"{settings.PREFIX_STATES.name}={capacity}: the prefix state store needs at least one state")
         self.capacity, self.page, self.link = capacity, page, link
         self.window = cache.cfg.sliding_window
         dev = cache.device
@@ -95,13 +95,7 @@ class PrefixStates:
 
     @staticmethod
     def default_capacity(num_token_slots: int, page: int) -> int:
-        env = os.environ.get(STATES_ENV)
-        if env is not None:
-            try:
-                return int(env)
-            except ValueError:
-                raise ValueError(f"{STATES_ENV}={env!r}: expected a whole number of states") from None
-        return max(16, num_token_slots // page // 16)
+        return settings.PREFIX_STATES.get(default=max(16, num_token_slots // page // 16))
 
     def lookup(self, key: int, boundary: int) -> int | None:
         """The state saved at `boundary` by the token slot `key` of position boundary - 1."""

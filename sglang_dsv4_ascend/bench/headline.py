@@ -36,8 +36,8 @@ import types
 
 import sglang_dsv4_ascend as pkg
 
+from .. import settings
 from ..data import PROMPT_SETS, load_prompts
-from ..speculative.planner import VERIFY_ENV
 from . import serve
 
 POOL = ("--max-total-tokens", "32768")
@@ -51,8 +51,8 @@ METHODS = {
                                                              "--speculative-num-draft-tokens", "6")),
     "nextn_tree4": (pkg.TINY_NEXTN_MODEL_PATH, {}, _NEXTN + ("--speculative-eagle-topk", "4",
                                                              "--speculative-num-draft-tokens", "8")),
-    "dspark_static": (pkg.TINY_MODEL_PATH, {VERIFY_ENV: "static"}, ("--speculative-algorithm", "dspark")),
-    "dspark_adaptive": (pkg.TINY_MODEL_PATH, {VERIFY_ENV: "adaptive"}, ("--speculative-algorithm", "dspark")),
+    "dspark_static": (pkg.TINY_MODEL_PATH, {settings.DSPARK_VERIFY.name: "static"}, ("--speculative-algorithm", "dspark")),
+    "dspark_adaptive": (pkg.TINY_MODEL_PATH, {settings.DSPARK_VERIFY.name: "adaptive"}, ("--speculative-algorithm", "dspark")),
 }
 
 

@@ -58,6 +58,8 @@ import types
 
 import torch
 
+from .. import settings
+
 # name -> (topk, num_steps, num_draft_tokens); None = no speculation
 CONFIGS = {
     "nospec": None,
@@ -365,7 +367,8 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
                 "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(ndraft))
         for dr in drafters:
             # empty = unset (drafters.make_drafter): the NextN head even if this shell sets it
-            env = {"SGLANG_DSV4_TEST_DRAFTER": f"replay:{replay}" if dr == "replay" else ""}
+            env = ({settings.TEST_DRAFTER.name: f"replay:{replay}", settings.TESTING.name: "1"} if dr == "replay"
+                   else {settings.TEST_DRAFTER.name: ""})
             srv, startup = serve(args, env)
             try:
                 for B in batches:

@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from .. import settings
+
 SHAPES = {  # name: (K, N)
     "wq_a": (4096, 1024),
     "wq_b": (1024, 32768),
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
             "device_family": device.device_family(), "kernel_family": device.kernel_family(),
             "families": _families(), "reps": reps, "M": ms, "shapes": {s: SHAPES[s] for s in shapes},
             "inputs": "x ~ N(0,1) bf16, W ~ N(0,1/K) bf16, per-channel symmetric int8 weights, per-token int8 x",
-            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "SGLANG_DSV4_FORCE_REFERENCE") if k in os.environ},
+            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", settings.FORCE_REFERENCE.name) if k in os.environ},
         },
     }
     out.update(run(shapes, ms, reps))

@@ -11,20 +11,21 @@ from __future__ import annotations
 import json
 import os
 
-PROMPTS_ENV = "SGLANG_DSV4_PROMPTS_DIR"
+from .. import settings
+
 PACKAGED_PROMPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts")
 PROMPT_SETS = ("gsm8k", "humaneval", "mt-bench")
 
 
 def prompts_dir() -> str:
-    return os.environ.get(PROMPTS_ENV) or PACKAGED_PROMPTS_DIR
+    return settings.PROMPTS_DIR.get() or PACKAGED_PROMPTS_DIR
 
 
 def prompt_path(name: str) -> str:
     path = os.path.join(prompts_dir(), f"{name}.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt set {name!r}: {path} not found (sets: {', '.join(PROMPT_SETS)}; "
-                                f"{PROMPTS_ENV} overrides the folder)")
+                                f"{settings.PROMPTS_DIR.name} overrides the folder)")
     return path
 
 

@@ -28,14 +28,12 @@ variant the check must catch.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from sglang_dsv4_ascend.distributed.layout import sglang_parallel_state
+from .. import settings
+from .layout import sglang_parallel_state
 
-CHECK_ENV = "SGLANG_DSV4_SPEC_SYNC_CHECK"
-DESYNC_ENV = "SGLANG_DSV4_DEBUG_DESYNC_RANK"
 
 
 class DesyncError(RuntimeError):
@@ -47,7 +45,7 @@ class RankSync:
 
     def __init__(self, group=None, rank: int = 0, size: int = 1, check: bool | None = None):
         self.group, self.rank, self.size = group, rank, size
-        self.checking = (os.environ.get(CHECK_ENV, "0") not in ("", "0")) if check is None else check
+        self.checking = settings.SPEC_SYNC_CHECK.get() if check is None else check
         self.rounds = 0
 
     @classmethod
@@ -66,8 +64,8 @@ class RankSync:
     def seed(self, seed: int) -> int:
         """The accept generator's seed on this rank: --random-seed everywhere (the debug variant
         offsets one rank's)."""
-        broken = os.environ.get(DESYNC_ENV, "")
-        return seed + 1 if broken.strip().isdigit() and int(broken) == self.rank and self.size > 1 else seed
+        broken = settings.DEBUG_DESYNC_RANK.get()
+        return seed + 1 if broken is not None and broken == self.rank and self.size > 1 else seed
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on one (e.g. "this rank's time budget is spent")."""
@@ -99,7 +97,7 @@ class RankSync:
         if diff is not None:
             key, a, b = diff
             raise DesyncError(
-                f"{CHECK_ENV}: speculative decisions differ across TP ranks at round {self.rounds}: {key!r} is "
+                f"{settings.SPEC_SYNC_CHECK.name}: speculative decisions differ across TP ranks at round {self.rounds}: {key!r} is "
                 f"{everyone[a][key]} on rank {a} and {everyone[b][key]} on rank {b}; the caches of these ranks have "
                 "diverged (same --random-seed on every rank? replicated draft weights?)")
 

@@ -10,13 +10,13 @@ all go through the same path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import settings
 from ..config import DSV4Config
 from ..distributed.dp_exchange import DPExchange
 from ..distributed.layout import Layout
@@ -32,7 +32,6 @@ from ..layers.vocab_parallel import VocabParallelEmbedding, head_logits
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                   "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias",
                   "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight")
-ATTENTION_ENV = "SGLANG_DSV4_ATTENTION"  # batched (default) | segments (the per-segment definition)
 
 
 @dataclass(frozen=True)
@@ -108,9 +107,7 @@ class DSV4Model(nn.Module):
         self.fp32_head = False  # the served head computes in fp32 (--enable-fp32-lm-head): set by the served model
         add_hc_head(self, cfg, device)
         cast_params(self, dtype)
-        self.attention_impl = os.environ.get(ATTENTION_ENV, "batched")
-        if self.attention_impl not in ("batched", "segments"):
-            raise ValueError(f"{ATTENTION_ENV}={self.attention_impl!r}: expected 'batched' or 'segments'")
+        self.attention_impl = settings.ATTENTION.get()  # batched | segments (the per-segment definition)
 
     def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int = 0, device=None):
         from ..attention_backend.cache import DSV4Cache

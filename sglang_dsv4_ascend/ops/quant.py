@@ -56,13 +56,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from .. import settings
 from .reference import swiglu_clamped as _reference_swiglu
 
 INT8_MIN, INT8_MAX = -128, 127
@@ -162,7 +162,6 @@ def int_mm_exact_on_cpu() -> bool:
 # ----------------------------------------------------------------------------------------------
 # choosing the integer matmul: the fastest exact implementation, measured on this machine
 
-INT8_METHOD_ENV = "SGLANG_DSV4_INT8_MATMUL"  # auto (default) | int_mm | float
 M_BUCKETS = (1, 16, 256)  # decode rows, small batches / verify, prefill chunks
 PROBE_MAX_M = 32  # rows of the probe for the prefill bucket (its cost, not its ranking, grows with M)
 PROBE_MAX_N = 2048  # columns: the ranking depends on N through cache sizes, so probe near the real N
@@ -232,9 +231,7 @@ def int8_method(device, M: int, K: int, N: int) -> str:
     """The method 'auto' resolves to for an [M, K] x [K, N] int8 GEMM on `device` (probed once per
     shape class, logged; SGLANG_DSV4_INT8_MATMUL=int_mm|float forces one where it is exact)."""
     device = torch.device(device)
-    forced = os.environ.get(INT8_METHOD_ENV, "auto").strip().lower()
-    if forced not in ("auto", "int_mm", "float"):
-        raise ValueError(f"{INT8_METHOD_ENV}={forced!r}: expected auto, int_mm or float")
+    forced = settings.INT8_MATMUL.get()
     if forced != "auto":
         return forced if forced in _exact_candidates(device, K) else "float"
     key = shape_class(device, M, K, N)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from .. import settings
+
 CPU_PLATFORM = "sglang_dsv4_ascend.platforms.cpu.CpuReferencePlatform"
 
-# SGLANG_DSV4_PLATFORM: "auto" (default), "cpu" (force the CPU reference platform, even on an
-# accelerator host), or "off" (never activate; SGLang picks its own platform).
-ENV = "SGLANG_DSV4_PLATFORM"
 
 
 def _accelerator_present() -> str | None:
@@ -37,13 +36,12 @@ def _accelerator_present() -> str | None:
 
 
 def activate() -> str | None:
-    mode = os.environ.get(ENV, "auto").strip().lower()
+    # auto (default), cpu (forced, even on an accelerator host) or off (SGLang picks its own)
+    mode = settings.PLATFORM.get()
     if mode == "off":
         return None
     if mode == "cpu":
         return CPU_PLATFORM
-    if mode != "auto":
-        raise ValueError(f"{ENV}={mode!r}: expected one of 'auto', 'cpu', 'off'")
     # Never hijack a real accelerator install, nor SGLang's own CPU engine when asked for.
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1":
         return None

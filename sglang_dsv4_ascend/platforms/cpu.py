@@ -18,14 +18,14 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from .. import settings
 from ..names import CPU_MAX_TOTAL_TOKENS, SPEC_ALGOS
-from .threads import BIND_ENV, THREADS_ENV, rank_core_bind, scheduler_threads
+from .threads import BIND_ENV, rank_core_bind, scheduler_threads
 
 logger = logging.getLogger(__name__)
 
 # An idle scheduler polls its sockets in a busy loop: one full core per server with no requests
 # (measured 1.01 cores on the 2-core CI machine; 0.01-0.02 with --sleep-on-idle, same throughput).
-SLEEP_ON_IDLE_ENV = "SGLANG_DSV4_CPU_SLEEP_ON_IDLE"  # 0 keeps SGLang's busy polling
 class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
     """CpuDeviceMixin supplies memory from psutil and the gloo backend; SRTPlatform's defaults
     already give a CPU group coordinator, the "native" dispatch key and no speculative workers."""
@@ -52,10 +52,10 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             server_args.attention_backend = "torch_native"
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
-        if not getattr(server_args, "sleep_on_idle", False) and os.environ.get(SLEEP_ON_IDLE_ENV, "1") != "0":
+        if not getattr(server_args, "sleep_on_idle", False) and settings.CPU_SLEEP_ON_IDLE.get():
             server_args.sleep_on_idle = True
             logger.info("CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
-                        "core; %s=0 to keep SGLang's polling)", SLEEP_ON_IDLE_ENV)
+                        "core; %s=0 to keep SGLang's polling)", settings.CPU_SLEEP_ON_IDLE.name)
         ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
         if not getattr(server_args, "enable_dp_attention", False):  # plain --dp-size: that many replicas
             ranks *= getattr(server_args, "dp_size", 1) or 1
@@ -79,7 +79,8 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
         ranks = max(ranks, len([p for p in os.environ.get(BIND_ENV, "").split("|") if p]))
         n = scheduler_threads(ranks=ranks)
         torch.set_num_threads(n)
-        logger.info("CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n, THREADS_ENV)
+        logger.info("CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n,
+                    settings.CPU_THREADS.name)
 
     def get_default_attention_backend(self) -> str:
         return "torch_native"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-THREADS_ENV = "SGLANG_DSV4_CPU_THREADS"  # intra-op threads of each scheduler process
+from .. import settings
+
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: the cores of each rank, "0-3|4-7"
 
 
@@ -39,11 +40,9 @@ def scheduler_threads(cores: int | None = None, ranks: int = 1) -> int:
     (a second 1-thread server gave 55 / 159), so one thread is "not slower" rather than faster.
     The same runs: idle 0.012-0.016 cores with sleep-on-idle, 1.01 without, and no throughput
     cost from sleeping (1 thread without it: 60 / 206)."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer")
-        return int(raw)
+    forced = settings.CPU_THREADS.get()
+    if forced is not None:
+        return forced
     if cores is None:
         cores = len(_cores())
     return max(1, (cores - 1) // max(1, ranks))

@@ -11,29 +11,29 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import torch
 
+from .. import settings
 from ..models.dsv4_core import Segment
 from .tree import TreeBuilder
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
-TEST_DRAFTER_ENV = "SGLANG_DSV4_TEST_DRAFTER"  # replay:FILE (tests only; see ReplayDrafter)
 
 
 def make_drafter(engine):
     """The checkpoint's drafter for the engine (DSpark when the engine has a block size `gamma`,
-    else NextN), or the replay test drafter when TEST_DRAFTER_ENV asks for it."""
-    spec = os.environ.get(TEST_DRAFTER_ENV, "")
+    else NextN), or the replay test drafter when SGLANG_DSV4_TEST_DRAFTER asks for it (refused
+    unless SGLANG_DSV4_TESTING is on: settings.py)."""
+    spec = settings.TEST_DRAFTER.get()
     if not spec:
         return DSparkDrafter(engine) if hasattr(engine, "gamma") else NextNDrafter(engine)
     kind, _, arg = spec.partition(":")
     if kind != "replay" or not arg:
-        raise ValueError(f"{TEST_DRAFTER_ENV}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
+        raise ValueError(f"{settings.TEST_DRAFTER.name}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
     logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the "
-                   "checkpoint's draft; outputs stay lossless, acceptance and speed figures are synthetic", TEST_DRAFTER_ENV,
+                   "checkpoint's draft; outputs stay lossless, acceptance and speed figures are synthetic", settings.TEST_DRAFTER.name,
                    spec, arg)
     return ReplayDrafter(engine, arg)
 

@@ -33,21 +33,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import settings
+
 EPS = 1e-6
 LAG = 2
-VERIFY_MODES = ("static", "adaptive")
-VERIFY_ENV = "SGLANG_DSV4_DSPARK_VERIFY"  # static | adaptive (default)
 
 
 def verify_mode() -> str:
-    """The DSpark verify mode from VERIFY_ENV. SGLang's own SGLANG_RAGGED_VERIFY_MODE drives its
-    CUDA worker's relay buffers and is left alone."""
-    import os
-
-    mode = os.environ.get(VERIFY_ENV, "adaptive") or "adaptive"
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"{VERIFY_ENV}={mode!r}: expected one of {', '.join(VERIFY_MODES)}")
-    return mode
+    """The DSpark verify mode (static | adaptive) from SGLANG_DSV4_DSPARK_VERIFY. SGLang's own
+    SGLANG_RAGGED_VERIFY_MODE drives its CUDA worker's relay buffers and is left alone."""
+    return settings.DSPARK_VERIFY.get()
 
 
 @dataclass
@@ -138,8 +133,9 @@ class Planner:
     records conf for LAG rounds later."""
 
     def __init__(self, gamma: int, mode: str = "adaptive", cost: CostModel | None = None, lag: int = LAG):
-        if mode not in VERIFY_MODES:
-            raise ValueError(f"{VERIFY_ENV}={mode!r}: expected one of {', '.join(VERIFY_MODES)}")
+        if mode not in settings.DSPARK_VERIFY.choices:
+            raise ValueError(f"{settings.DSPARK_VERIFY.name}={mode!r}: expected one of "
+                             f"{', '.join(settings.DSPARK_VERIFY.choices)}")
         self.gamma, self.mode, self.cost, self.lag = gamma, mode, cost, lag
         self.round = 0
         self.history = {}  # slot -> {round: (gen, conf row)}

@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from .. import settings
+
 
 def _import_check(module: str, attr: str = "__version__") -> dict:
     code = f"import {module} as m; print(getattr(m, {attr!r}, 'unknown'))"
@@ -51,7 +53,7 @@ SPECULATIVE = {
     "dspark": {
         "adaptive": "--speculative-algorithm dspark  (gamma = the checkpoint's dspark_block_size; "
                     "--speculative-dspark-block-size N to change it)",
-        "static": "SGLANG_DSV4_DSPARK_VERIFY=static --speculative-algorithm dspark",
+        "static": f"{settings.DSPARK_VERIFY.name}=static --speculative-algorithm dspark",
         "options": "--speculative-dspark-sps-table-path FILE (bench sps; else measured at startup), "
                    "--speculative-dspark-confidence-sts-path FILE ({\"temperatures\": [...]})",
         "needs": "a DSpark checkpoint (dspark_* config fields, mtp.0..2 with main_proj / markov_head / "

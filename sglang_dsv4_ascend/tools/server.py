@@ -21,6 +21,8 @@ import time
 import urllib.error
 import urllib.request
 
+from .. import settings
+
 HOST = "127.0.0.1"
 
 # Lines that mean a server process died even though the main process may linger.
@@ -103,7 +105,7 @@ class SGLangServer:
     def _use_zygote(self) -> bool:
         from . import zygote
 
-        if self.zygote is False or not os.environ.get(zygote.ENV):
+        if self.zygote is False or not settings.ZYGOTE.is_set():
             return False
         return not any(k in self.env for k in zygote.IMPORT_TIME_ENV)
 
@@ -111,7 +113,7 @@ class SGLangServer:
         from . import zygote
 
         try:
-            pid = zygote.launch(os.environ[zygote.ENV], argv, env, self.log_path)
+            pid = zygote.launch(settings.ZYGOTE.get(), argv, env, self.log_path)
         except OSError as e:  # no zygote after all: start the plain way
             print(f"[server] zygote unavailable ({e}); starting a fresh interpreter", file=sys.stderr)
             return None

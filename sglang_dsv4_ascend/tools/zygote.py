@@ -36,10 +36,12 @@ import socket
 import sys
 import time
 
-# Read while SGLang is imported (platform selection): a server that sets one is started plainly.
-IMPORT_TIME_ENV = ("SGLANG_DSV4_PLATFORM", "SGLANG_USE_CPU_ENGINE", "SGLANG_PLATFORM")
+from .. import settings
 
-ENV = "SGLANG_DSV4_ZYGOTE"  # the socket path; SGLangServer launches through it when set
+# Read while SGLang is imported (platform selection): a server that sets one is started plainly.
+IMPORT_TIME_ENV = (settings.PLATFORM.name, "SGLANG_USE_CPU_ENGINE", "SGLANG_PLATFORM")
+
+ENV = settings.ZYGOTE.name  # the socket path; SGLangServer launches through it when set
 
 
 def _preload() -> None:

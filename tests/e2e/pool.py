@@ -29,9 +29,9 @@ again. The rules that keep sharing honest:
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.tools.server import SGLangServer
 
 
@@ -52,7 +52,7 @@ class SharedServerDied(RuntimeError):
 
 class ServerPool:
     def __init__(self, capacity: int | None = None):
-        self.capacity = capacity or int(os.environ.get("SGLANG_DSV4_TEST_SERVERS", "1"))
+        self.capacity = capacity or settings.TEST_SERVERS.get()
         self._alive: OrderedDict = OrderedDict()
         self._stopped: list = []
         self.hits = 0

@@ -24,7 +24,7 @@ def spec_prompts(ckpt, long_end: int):
 
 
 def replay_drafter(tmp_path, prompts, reference, modes) -> str:
-    """TEST_DRAFTER_ENV's value for a replay drafter proposing each prompt's reference continuation
+    """SGLANG_DSV4_TEST_DRAFTER's value for a replay drafter proposing each prompt's reference continuation
     in `modes` (full, partial:N, zero, sibling, cycle), one per prompt."""
     path = tmp_path / "replay.json"
     path.write_text(json.dumps({"sequences": [p + r for p, r in zip(prompts, reference)], "modes": modes}))

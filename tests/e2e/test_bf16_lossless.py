@@ -19,8 +19,8 @@ from prompts import load_prompts
 from spec_prompts import replay_drafter
 
 import sglang_dsv4_ascend as pkg
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +87,7 @@ def test_bf16_replay_full_partial_zero(servers, prompts, reference, method, tmp_
     modes = ["full", "partial:2", "zero", "partial:1"]
     ref = [r["output_ids"] for r in reference[:n]]
     path, env, flags = headline.METHODS[method]
-    env = {**env, TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts[:n], ref, modes)}
+    env = {**env, settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts[:n], ref, modes)}
     srv = servers.get(path, *headline.POOL, *flags, *BF16, env=env)
     outs = _run(srv, prompts[:n])
     got = [o["output_ids"] for o in outs]

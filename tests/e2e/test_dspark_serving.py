@@ -15,8 +15,7 @@ import pytest
 import requests
 from spec_prompts import replay_drafter, spec_prompts
 
-from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
-from sglang_dsv4_ascend.speculative.planner import VERIFY_ENV
+from sglang_dsv4_ascend import settings
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +24,7 @@ POOL = ("--max-total-tokens", "32768")
 
 
 def dspark_server(servers, ckpt, mode, *args, env=None):
-    return servers.get(ckpt, *POOL, "--speculative-algorithm", "dspark", *args, env={VERIFY_ENV: mode, **(env or {})})
+    return servers.get(ckpt, *POOL, "--speculative-algorithm", "dspark", *args, env={settings.DSPARK_VERIFY.name: mode, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     Adaptive: the replay's confidences (0.9 where right, 0.2 after) let the planner trim, so
     partial and zero rounds verify fewer rows, and the output never changes."""
     modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
     gamma = 4
     srv = dspark_server(servers, ckpt, mode, env=env)
     outs = _concurrent(srv, prompts)
@@ -178,7 +177,7 @@ def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_pa
     the no-speculation output."""
     gamma, short, late = 4, [0, 1, 2, 3], [4, 5, 6]  # 40-token prompts; then 110, 124 and 193 tokens
     modes = ["full"] * 4 + ["partial:2"] * 3 + ["zero"]
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, prompts, reference, modes)}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
     srv = dspark_server(servers, ckpt, "static", "--chunked-prefill-size", "128", "--enable-mixed-chunk",
                         "--disable-radix-cache", env=env)
     started = [threading.Event() for _ in short]

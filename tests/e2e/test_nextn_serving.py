@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from spec_prompts import check_replay_pattern, replay_drafter, spec_prompts
 
-from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
+from sglang_dsv4_ascend import settings
 
 pytestmark = pytest.mark.e2e
 
@@ -100,7 +100,7 @@ REPLAY = {
 
 
 def replay_server(servers, ckpt, replay_file, config):
-    env = {TEST_DRAFTER_ENV: replay_file(REPLAY[config])}
+    env = {settings.TEST_DRAFTER.name: replay_file(REPLAY[config])}
     return spec_server(servers, ckpt, config, "--chunked-prefill-size", "128", env=env)
 
 
@@ -204,7 +204,7 @@ def test_sampled_speculation_matches_the_target_distribution(servers, sharp_ckpt
     base_srv = servers.get(sharp_ckpt, *POOL)
     ref = base_srv.generate(prompt, 8)["output_ids"]
     base, _ = _samples(base_srv, prompt, 25, 64)
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, [prompt], [ref], ["full"])}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, [prompt], [ref], ["full"])}
     srv = spec_server(servers, sharp_ckpt, "chain3", "--random-seed", "1", env=env)
     spec, accepted = _samples(srv, prompt, 25, 64)
     assert len(base) == len(spec) == 1600

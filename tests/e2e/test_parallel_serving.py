@@ -19,9 +19,8 @@ from prompts import load_prompts
 from spec_prompts import check_replay_pattern, replay_drafter
 
 import sglang_dsv4_ascend as pkg
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.distributed.spec_sync import CHECK_ENV, DESYNC_ENV
-from sglang_dsv4_ascend.speculative.drafters import TEST_DRAFTER_ENV
 from sglang_dsv4_ascend.tools.server import ServerFailed, SGLangServer
 from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
@@ -145,7 +144,7 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(servers, chat, chat_re
     prefills, verifies or idles in the same step, their target forwards meeting in the MoE
     exchange; concurrent requests spread over both DP ranks."""
     path, env, flags = headline.METHODS[method]
-    srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env={**env, CHECK_ENV: "1"})
+    srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env={**env, settings.SPEC_SYNC_CHECK.name: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference
     assert _ids(together) == chat_reference
@@ -168,7 +167,7 @@ def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(servers, ch
     spread over both DP ranks): output == no speculation, each request's per-round acceptance is
     its mode's, and the decision check stays silent."""
     path, _, flags = headline.METHODS["nextn_tree2"]
-    env = {TEST_DRAFTER_ENV: replay_drafter(tmp_path, chat, chat_reference, modes), CHECK_ENV: "1"}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, chat, chat_reference, modes), settings.SPEC_SYNC_CHECK.name: "1"}
     srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env=env)
     assert "TEST replay drafter" in srv.log_text()
     single, together = _run(srv, chat)
@@ -185,13 +184,13 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(servers, start_server, chat
     requests (check silent), and a group member whose accept seed is offset is caught."""
     path, env, flags = headline.METHODS["nextn_chain"]
     layout = (*headline.POOL, *flags, "--tp-size", "4", *DP_ATTN)
-    srv = servers.get(path, *layout, env={**env, CHECK_ENV: "1"})
+    srv = servers.get(path, *layout, env={**env, settings.SPEC_SYNC_CHECK.name: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference and _ids(together) == chat_reference
     _run(srv, chat, temperature=1.0)
     assert "attn_tp 1/2, dp 1/2" in srv.log_text() and DESYNC_MARK not in srv.log_text()
     # owns this one: the check stops its scheduler
-    srv = start_server(path, *layout, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
+    srv = start_server(path, *layout, env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"})
     with pytest.raises(Exception):
         for p in chat:
             srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)
@@ -201,7 +200,7 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(servers, start_server, chat
 def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
     # owns its server: the check stops its scheduler
     path, env, flags = headline.METHODS["nextn_chain"]
-    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, CHECK_ENV: "1", DESYNC_ENV: "1"})
+    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"})
     with pytest.raises(Exception):
         for p in chat:
             srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.distributed.spec_sync import CHECK_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -445,7 +445,7 @@ SPECULATIVE = {
     "dspark_adaptive": ("dspark_adaptive", (), {}),
     "nextn_tree4": ("nextn_tree4", (), {}),
     # test_parallel_serving.py's: the cross-rank decision check on, so a desync would stop it
-    "dspark_adaptive_tp2": ("dspark_adaptive", ("--tp-size", "2"), {CHECK_ENV: "1"}),
+    "dspark_adaptive_tp2": ("dspark_adaptive", ("--tp-size", "2"), {settings.SPEC_SYNC_CHECK.name: "1"}),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_dsv4_ascend import settings as dsv4_settings
 from sglang_dsv4_ascend.speculative import planner as P
 from tests.oracles.dspark_oracle import oracle_block, oracle_budget, oracle_select
 
@@ -326,7 +327,7 @@ def test_bad_settings_name_what_is_wrong(tmp_path, monkeypatch):
     assert load_sts(str(bad)) == [1.5, 0.8]
     with pytest.raises(ValueError, match="SGLANG_DSV4_DSPARK_VERIFY='fast': expected one of static, adaptive"):
         P.Planner(4, "fast")
-    monkeypatch.setenv(P.VERIFY_ENV, "compact")
+    monkeypatch.setenv(dsv4_settings.DSPARK_VERIFY.name, "compact")
     with pytest.raises(ValueError, match="SGLANG_DSV4_DSPARK_VERIFY='compact'"):
         P.verify_mode()
 

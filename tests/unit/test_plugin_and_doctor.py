@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from sglang_dsv4_ascend import settings
+
 
 def _run(code, env=None):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -31,7 +33,7 @@ def test_import_is_cheap():
 def test_platform_activation(monkeypatch, mode, expect):
     from sglang_dsv4_ascend import platforms
 
-    monkeypatch.setenv(platforms.ENV, mode)
+    monkeypatch.setenv(settings.PLATFORM.name, mode)
     got = platforms.activate()
     assert (got == platforms.CPU_PLATFORM) if expect == "cpu" else got is None
 
@@ -39,13 +41,13 @@ def test_platform_activation(monkeypatch, mode, expect):
 def test_platform_never_hijacks_an_accelerator(monkeypatch):
     from sglang_dsv4_ascend import platforms
 
-    monkeypatch.setenv(platforms.ENV, "auto")
+    monkeypatch.setenv(settings.PLATFORM.name, "auto")
     monkeypatch.setattr(platforms, "_accelerator_present", lambda: "cuda")
     assert platforms.activate() is None
     monkeypatch.setattr(platforms, "_accelerator_present", lambda: None)
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     assert platforms.activate() is None
-    monkeypatch.setenv(platforms.ENV, "bogus")
+    monkeypatch.setenv(settings.PLATFORM.name, "bogus")
     with pytest.raises(ValueError, match="SGLANG_DSV4_PLATFORM"):
         platforms.activate()
 
@@ -104,7 +106,10 @@ def test_hook_signature_mismatch_is_refused():
 
 
 def test_scheduler_threads_leave_a_core_for_the_serving_processes(monkeypatch):
-    from sglang_dsv4_ascend.platforms.threads import THREADS_ENV, scheduler_threads
+    from sglang_dsv4_ascend import settings
+    from sglang_dsv4_ascend.platforms.threads import scheduler_threads
+
+    THREADS_ENV = settings.CPU_THREADS.name
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
     assert [scheduler_threads(c) for c in (1, 2, 3, 16)] == [1, 1, 2, 15]

@@ -7,6 +7,7 @@ compressor rows, or a state saved at another boundary, is caught."""
 import pytest
 import torch
 
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.attention_backend import prefix_state
 from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
 from sglang_dsv4_ascend.models.dsv4_core import Segment
@@ -166,10 +167,10 @@ def test_state_memory_matches_the_docstring_arithmetic():
 
 
 def test_env_capacity_is_checked(monkeypatch):
-    monkeypatch.setenv(prefix_state.STATES_ENV, "many")
+    monkeypatch.setenv(settings.PREFIX_STATES.name, "many")
     with pytest.raises(ValueError, match="SGLANG_DSV4_PREFIX_STATES"):
         prefix_state.PrefixStates.default_capacity(4096, PAGE)
-    monkeypatch.setenv(prefix_state.STATES_ENV, "5")
+    monkeypatch.setenv(settings.PREFIX_STATES.name, "5")
     assert prefix_state.PrefixStates.default_capacity(4096, PAGE) == 5
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_dsv4_ascend import request_guard as G
+from sglang_dsv4_ascend import settings
 
 V = 1024
 
@@ -55,11 +56,11 @@ def test_logprob_start_len_range():
 
 
 def test_parallel_samples_limit_is_configurable(monkeypatch):
-    ok(req(sampling_params={"n": G.DEFAULT_MAX_N}), [1])
-    refused(req(sampling_params={"n": G.DEFAULT_MAX_N + 1}), [1], r"n = 65: at most 64 .*SGLANG_DSV4_MAX_N")
-    monkeypatch.setenv(G.MAX_N_ENV, "2")
+    ok(req(sampling_params={"n": settings.MAX_N.default}), [1])
+    refused(req(sampling_params={"n": settings.MAX_N.default + 1}), [1], r"n = 65: at most 64 .*SGLANG_DSV4_MAX_N")
+    monkeypatch.setenv(settings.MAX_N.name, "2")
     refused(req(sampling_params={"n": 3}), [1], "at most 2")
-    monkeypatch.setenv(G.MAX_N_ENV, "zero")
+    monkeypatch.setenv(settings.MAX_N.name, "zero")
     with pytest.raises(ValueError, match="SGLANG_DSV4_MAX_N='zero': expected a positive integer"):
         ok(req(sampling_params={"n": 1}), [1])
 
@@ -97,10 +98,10 @@ def test_speculation_refuses_logprobs_and_keeps_plain_sampling():
 
 
 def test_body_limit_default_follows_the_context(monkeypatch):
-    monkeypatch.delenv(G.MAX_BYTES_ENV, raising=False)
+    monkeypatch.delenv(settings.MAX_REQUEST_BYTES.name, raising=False)
     assert G.max_body_bytes(None) == G.MIN_BODY_BYTES
     assert G.max_body_bytes(1 << 20) == 32 << 20
-    monkeypatch.setenv(G.MAX_BYTES_ENV, "1000")
+    monkeypatch.setenv(settings.MAX_REQUEST_BYTES.name, "1000")
     assert G.max_body_bytes(1 << 20) == 1000
 
 
@@ -118,7 +119,7 @@ def client(monkeypatch):
         seen.append(len(body))
         return JSONResponse({"n": len(body)})
 
-    monkeypatch.setenv(G.MAX_BYTES_ENV, "1000")
+    monkeypatch.setenv(settings.MAX_REQUEST_BYTES.name, "1000")
     app = Starlette(routes=[Route("/generate", echo, methods=["POST", "GET"])])
     app.add_middleware(G.RequestGate)
     return TestClient(app), seen
@@ -155,7 +156,7 @@ def sampling_refused(params, match, ctx=None):
 
 
 def test_n_must_be_a_positive_integer():
-    for n in (1, 2, G.DEFAULT_MAX_N):
+    for n in (1, 2, settings.MAX_N.default):
         sampling_ok({"n": n})
     for n in (0, -1, None, 1.5, True, "2"):
         sampling_refused({"n": n}, r"n = .*: expected an integer in \[1, 64\]")
@@ -165,7 +166,7 @@ def test_n_is_checked_before_sglang_expands_the_request():
     """`n: 0` reached a range() step inside SGLang's normalization ("range() arg 3 must not be
     zero"); the hook refuses it, naming n, before the original runs."""
     ran = []
-    for params in ({"n": 0}, [{"n": 0}, {"n": 0}], {"n": G.DEFAULT_MAX_N + 1}):
+    for params in ({"n": 0}, [{"n": 0}, {"n": 0}], {"n": settings.MAX_N.default + 1}):
         obj = SimpleNamespace(input_embeds=None, sampling_params=params)
         with pytest.raises(G.RequestRejected, match=r"^n = "):
             G.normalize_hook(lambda self: ran.append(self), obj)

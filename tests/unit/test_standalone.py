@@ -6,6 +6,7 @@ import os
 import subprocess
 
 from sglang_dsv4_ascend import data
+from sglang_dsv4_ascend import settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,7 +25,7 @@ def test_no_tracked_file_points_outside_the_repository():
 
 
 def test_prompt_sets_ship_in_the_package(monkeypatch):
-    monkeypatch.delenv(data.PROMPTS_ENV, raising=False)
+    monkeypatch.delenv(settings.PROMPTS_DIR.name, raising=False)
     assert data.prompts_dir().startswith(os.path.join(REPO, "sglang_dsv4_ascend"))
     assert os.path.exists(os.path.join(data.PACKAGED_PROMPTS_DIR, "LICENSE-DeepSpec"))
     for name in data.PROMPT_SETS:
@@ -35,7 +36,7 @@ def test_prompt_sets_ship_in_the_package(monkeypatch):
 
 def test_prompts_dir_override(monkeypatch, tmp_path):
     (tmp_path / "mine.jsonl").write_text('{"turns": ["first", "second"]}\n\n{"turns": ["again"]}\n')
-    monkeypatch.setenv(data.PROMPTS_ENV, str(tmp_path))
+    monkeypatch.setenv(settings.PROMPTS_DIR.name, str(tmp_path))
     assert data.load_prompts("mine") == ["first", "again"]
     try:
         data.load_prompts("gsm8k")

@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 from oracles import w8a8_oracle as O
 from sglang_dsv4_ascend.ops import quant as Q
+from sglang_dsv4_ascend import settings as dsv4_settings
 
 HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -300,11 +301,11 @@ def test_auto_uses_the_probe_once_per_shape_class_and_env_forces(monkeypatch):
     x, w = _rand_i8((1, 100), 3), _rand_i8((5, 100), 4)
     exact = O.int_matmul(x.numpy(), w.numpy())
     np.testing.assert_array_equal(Q.int8_matmul(x, w).numpy().astype(np.int64), exact)
-    monkeypatch.setenv(Q.INT8_METHOD_ENV, "float")
+    monkeypatch.setenv(dsv4_settings.INT8_MATMUL.name, "float")
     assert Q.int8_method("cpu", 1, 100, 5) == "float"
-    monkeypatch.setenv(Q.INT8_METHOD_ENV, "int_mm")
+    monkeypatch.setenv(dsv4_settings.INT8_MATMUL.name, "int_mm")
     assert Q.int8_method("cpu", 1, 8, 5) == "float"  # forced, but not exact for K < 16: never used there
-    monkeypatch.setenv(Q.INT8_METHOD_ENV, "fast")
+    monkeypatch.setenv(dsv4_settings.INT8_MATMUL.name, "fast")
     with pytest.raises(ValueError, match="SGLANG_DSV4_INT8_MATMUL='fast'"):
         Q.int8_method("cpu", 1, 100, 5)
 
