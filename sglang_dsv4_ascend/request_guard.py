@@ -65,16 +65,14 @@ Where the checks run (all written down in patches/README.md):
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 import struct
 import sys
 from dataclasses import dataclass
 
 from . import settings
-from .names import DSV4_ARCHS
+from .checkpoint import is_dsv4_architectures, serves_dsv4
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
@@ -412,8 +410,8 @@ def validate_one_request_hook(self, obj, input_ids):
     """BEFORE hook on `TokenizerManager._validate_one_request(self, obj, input_ids)`."""
     hf = self.model_config.hf_config
 
-    arch = (getattr(hf, "architectures", None) or [None])[0]
-    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size, dsv4=arch in DSV4_ARCHS,
+    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size,
+                  dsv4=is_dsv4_architectures(getattr(hf, "architectures", None)),
                   speculative=getattr(self.server_args, "speculative_algorithm", None),
                   context_len=getattr(self, "context_len", None), limits=pool_limits(self),
                   checks_total=getattr(self, "validate_total_tokens", True),
@@ -476,18 +474,6 @@ INPUT_EMBEDS_REFUSED = ("input_embeds: not supported by the DeepSeek-V4 model of
                         "ignored and the answer would be for a different prompt); send text or input_ids")
 
 
-@functools.lru_cache(maxsize=1)
-def _serves_dsv4() -> bool:
-    """Whether this server's model is DeepSeek-V4 (from its config.json; False when unknown)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        with open(os.path.join(get_server_args().model_path, "config.json")) as f:
-            return (json.load(f).get("architectures") or [None])[0] in DSV4_ARCHS
-    except Exception:  # no server args in this process, a hub id, an unreadable config
-        return False
-
-
 def normalize_hook(orig, self):
     """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
     reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
@@ -496,7 +482,7 @@ def normalize_hook(orig, self):
     multiplies the request (and `n: 0` reaches a range() step). input_embeds for DeepSeek-V4 is
     refused here, first: SGLang's own refusal under the radix cache would send the user to
     --disable-radix-cache, after which ours would refuse it anyway."""
-    if getattr(self, "input_embeds", None) is not None and _serves_dsv4():
+    if getattr(self, "input_embeds", None) is not None and serves_dsv4():
         raise RequestRejected(INPUT_EMBEDS_REFUSED)
     params = getattr(self, "sampling_params", None)
     for p in params if isinstance(params, list) else [params]:

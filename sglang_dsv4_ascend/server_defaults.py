@@ -24,12 +24,12 @@ import json
 import logging
 import os
 
+from .checkpoint import is_dsv4_architectures, is_dsv4_config, tensor_names
 from .names import (
     BACKEND_NAME,
     CPU_DSV4_MAX_RUNNING_REQUESTS,
     CPU_MAX_TOTAL_TOKENS,
     DSPARK_ALGO,
-    DSV4_ARCHS,
     PAGE_SIZE,
     QUANT_METHOD,
     RADIX_BACKEND,
@@ -198,19 +198,8 @@ def _checkpoint_lacks_draft(model_path, kind: str) -> str | None:
     "dspark": `mtp.0.main_proj.weight`), else None."""
     if not model_path or not os.path.isdir(model_path):
         return None  # a hub id: the loader reports missing tensors by name
-    index = os.path.join(model_path, "model.safetensors.index.json")
     try:
-        if os.path.exists(index):
-            with open(index) as f:
-                names = set(json.load(f)["weight_map"])
-        else:
-            from safetensors import safe_open
-
-            names = set()
-            for fname in os.listdir(model_path):
-                if fname.endswith(".safetensors"):
-                    with safe_open(os.path.join(model_path, fname), framework="pt") as f:
-                        names.update(f.keys())
+        names = tensor_names(model_path)
     except (OSError, ValueError, KeyError) as e:
         return f"cannot list the tensors of {model_path} ({e})"
     has = {"nextn": "mtp.0.e_proj.weight" in names, "dspark": "mtp.0.main_proj.weight" in names}
@@ -249,7 +238,7 @@ def model_adjustments(server_args, previous):
 
     cfg = resolving_view(server_args)
     hf = model_config_of(server_args).hf_config
-    if (getattr(hf, "architectures", None) or [None])[0] not in DSV4_ARCHS:
+    if not is_dsv4_architectures(getattr(hf, "architectures", None)):
         return previous(server_args)
     problems = unsupported_settings(server_args, hf)
     if problems:
@@ -339,7 +328,7 @@ def checkpoint_checks(server_args, previous):
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file}: not readable JSON ({e})") from e
-    if not isinstance(raw, dict) or (raw.get("architectures") or [None])[0] not in DSV4_ARCHS:
+    if not is_dsv4_config(raw):
         return
     problems = checkpoint_problems(raw, cfg.model_path, cfg)
     if problems:

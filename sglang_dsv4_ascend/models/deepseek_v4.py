@@ -3,12 +3,12 @@ dsv4_ascend backend's per-request segments, with SGLang's LogitsProcessor on top
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from torch import nn
 
+from ..checkpoint import read_index
 from ..config import DSV4Config
 from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
 from ..distributed.layout import Layout, log_layout
@@ -25,11 +25,8 @@ def _weight_files(model_path) -> dict | str | None:
     """{tensor name: file} from the checkpoint index, so loading errors can name the file."""
     if not model_path:
         return None
-    idx = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        with open(idx) as f:
-            return {k: os.path.join(model_path, v) for k, v in json.load(f)["weight_map"].items()}
-    return model_path
+    index = read_index(model_path)
+    return model_path if index is None else {k: os.path.join(model_path, v) for k, v in index.items()}
 
 
 class DeepseekV4ForCausalLM(nn.Module):

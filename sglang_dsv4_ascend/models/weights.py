@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from ..checkpoint import shard_files
 from ..config import DSV4Config
 from ..distributed.sharding import SKIP, shard
 from .dsv4_core import DSV4Model
@@ -126,24 +127,13 @@ def _check_tid2eid(name, t, n_experts, file):
         )
 
 
-def _safetensor_files(path: str) -> list:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    return files
-
-
 def iter_checkpoint(path: str, skip=is_ignored, part=None):
     """(name, tensor, file) for every tensor of a checkpoint dir; `skip`ped names are not read.
     `part(name, safetensors slice)`: what to read of each tensor (a tensor, or SKIP to read
     nothing; `distributed.sharding.rank_part`); whole tensors by default."""
     from safetensors import safe_open
 
-    for fname in _safetensor_files(path):
+    for fname in shard_files(path)[0]:
         with safe_open(os.path.join(path, fname), framework="pt") as f:
             for name in f.keys():
                 if skip is not None and skip(name):

@@ -16,14 +16,13 @@ the draft extend over the chunk. Rounds run synchronously: overlap scheduling is
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
+from .. import checkpoint
 from ..models.dspark import load_sts, sts_path
 from ..names import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
@@ -36,22 +35,9 @@ logger = logging.getLogger("sglang_dsv4_ascend")
 
 
 
-def _serves_dsv4() -> bool:
-    from sglang.srt.runtime_context import get_server_args
-
-    from ..names import DSV4_ARCHS
-
-    path = os.path.join(get_server_args().model_path, "config.json")
-    try:
-        with open(path) as f:
-            return (json.load(f).get("architectures") or [None])[0] in DSV4_ARCHS
-    except (OSError, ValueError):
-        return False
-
-
 def worker_cls_for(algorithm: str):
     """Our worker for EAGLE / NEXTN / DSPARK on DeepSeek-V4; None (SGLang's own) otherwise."""
-    if str(algorithm).upper() in SPEC_ALGOS and _serves_dsv4():
+    if str(algorithm).upper() in SPEC_ALGOS and checkpoint.serves_dsv4():
         return DSV4SpecWorker
     return None
 

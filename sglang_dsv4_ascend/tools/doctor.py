@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from .. import settings
+from ..checkpoint import INDEX_FILE, read_index
 
 
 def _import_check(module: str, attr: str = "__version__") -> dict:
@@ -70,13 +71,14 @@ def _tiny_model() -> dict:
     out = {"path": pkg.TINY_MODEL_PATH, "nextn_path": pkg.TINY_NEXTN_MODEL_PATH, "sts_path": pkg.TINY_STS_PATH}
     missing = []
     for d in (pkg.TINY_MODEL_PATH, pkg.TINY_NEXTN_MODEL_PATH):
-        index = os.path.join(d, "model.safetensors.index.json")
         try:
-            with open(index) as f:
-                files = set(json.load(f)["weight_map"].values())
+            index = read_index(d)
         except (OSError, ValueError, KeyError):
-            missing.append(index)
+            index = None
+        if index is None:
+            missing.append(os.path.join(d, INDEX_FILE))
             continue
+        files = set(index.values())
         missing += [os.path.join(d, n) for n in sorted(files | {"config.json", "tokenizer.json"})
                     if not os.path.exists(os.path.join(d, n))]
     out["present"], out["missing"] = not missing, missing

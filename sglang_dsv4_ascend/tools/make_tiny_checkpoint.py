@@ -29,6 +29,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..checkpoint import write_index
 from ..names import DSV4_ARCH
 
 SPECIAL_TOKENS = [
@@ -350,9 +351,7 @@ def write_files(out_dir: str, cfg: dict, tensors: dict, tok) -> str:
         save_file({k: part[k].contiguous() for k in sorted(part)}, os.path.join(out_dir, fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        f.write("\n")
+    write_index(out_dir, weight_map, total)
     write_tokenizer(out_dir, tok)
     return out_dir
 

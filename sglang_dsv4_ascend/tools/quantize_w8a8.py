@@ -46,9 +46,9 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint import INDEX_FILE, shard_files, write_index
 from ..quantization.w8a8 import DESCRIPTION_FILE, FLOAT, V4_RECIPE, W8A8, W8A8_DYNAMIC
 
-INDEX_FILE = "model.safetensors.index.json"
 _MAX_SAMPLES = 1 << 20  # activation values kept per layer for percentiles / clipping statistics
 
 
@@ -198,17 +198,6 @@ def activation_params(st: _ActStats, symmetric: bool, percentile: float):
 # checkpoint
 
 
-def _shards(in_dir: str):
-    index = os.path.join(in_dir, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values())), True
-    files = sorted(f for f in os.listdir(in_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {in_dir}")
-    return files, False
-
-
 def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", calib: Optional[str] = None,
                         num_calib: int = 16, max_calib_tokens: int = 256, act_sym: bool = False,
                         act_percentile: float = 100.0, quantize_wo_b: bool = False, progress: bool = True) -> dict:
@@ -227,7 +216,7 @@ def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", cali
         raise ValueError(f"--act-percentile must be in (0, 100], got {act_percentile}")
     if os.path.abspath(in_dir) == os.path.abspath(out_dir):
         raise ValueError("OUT_DIR must differ from IN_DIR")
-    files, has_index = _shards(in_dir)
+    files, has_index = shard_files(in_dir)
 
     names = {}
     for fname in files:
@@ -284,9 +273,7 @@ def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", cali
         total += sum(v.numel() * v.element_size() for v in out.values())
     bar.close()
     if has_index:
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.write("\n")
+        write_index(out_dir, weight_map, total)
     model_type = W8A8 if scheme == "static" else W8A8_DYNAMIC
     with open(os.path.join(out_dir, DESCRIPTION_FILE), "w") as f:
         json.dump({"model_quant_type": model_type, "version": "1.0.0", **dict(sorted(desc.items()))}, f, indent=2)

@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_dsv4_ascend import checkpoint
+
 
 @pytest.fixture
 def worker(monkeypatch):
@@ -17,7 +19,7 @@ def worker(monkeypatch):
 def test_builtin_platform_gets_our_worker_for_eagle_on_dsv4(worker, monkeypatch):
     from sglang_dsv4_ascend import registrations
 
-    monkeypatch.setattr(worker, "_serves_dsv4", lambda: True)
+    monkeypatch.setattr(checkpoint, "serves_dsv4", lambda: True)
     for name in ("EAGLE", "NEXTN", "DSPARK"):
         assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name=name)) is worker.DSV4SpecWorker
     assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="NGRAM")) is None
@@ -28,6 +30,6 @@ def test_builtin_platform_gets_our_worker_for_eagle_on_dsv4(worker, monkeypatch)
 def test_other_models_keep_sglang_workers(worker, monkeypatch):
     from sglang_dsv4_ascend import registrations
 
-    monkeypatch.setattr(worker, "_serves_dsv4", lambda: False)
+    monkeypatch.setattr(checkpoint, "serves_dsv4", lambda: False)
     assert registrations._platform_worker_cls(lambda self: None, SimpleNamespace(name="EAGLE")) is None
     assert worker.worker_cls_for("EAGLE") is None
