@@ -1,7 +1,9 @@
-"""The one place that decides which device family is active and which kernel family runs.
+"""The one place that probes the machine: which accelerator stack is installed, which device
+family is active and which kernel family runs.
 
-Model and layer code never asks "is this an NPU?"; it calls ops through `sglang_dsv4_ascend.ops`,
-which dispatch on `kernel_family()` decided here, once per process.
+`accelerator()` is the one probe (the platform entry point asks it whether to stand aside);
+`device_family()` and `kernel_family()` derive from it. Model and layer code never asks "is this
+an NPU?"; it calls ops through `sglang_dsv4_ascend.ops`, which dispatch on `kernel_family()`.
 
     SGLANG_DSV4_FORCE_REFERENCE=1   run the plain-torch reference ops everywhere (bisecting numerics)
 """
@@ -15,15 +17,26 @@ from . import settings
 
 
 @functools.lru_cache(maxsize=None)
-def device_family() -> str:
-    """'npu', 'cuda' or 'cpu'. Probes torch_npu by spec only: importing it without CANN breaks."""
+def accelerator() -> str | None:
+    """The accelerator stack that owns this machine: 'npu' (torch_npu installed), 'cuda', 'xpu',
+    or None. Probes torch_npu by spec only: importing it without CANN breaks `import torch`."""
     if importlib.util.find_spec("torch_npu") is not None:
         return "npu"
     import torch
 
     if torch.cuda.is_available():
         return "cuda"
-    return "cpu"
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return "xpu"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_family() -> str:
+    """'npu', 'cuda' or 'cpu' (an XPU runs the CPU kernel family: we have no XPU kernels)."""
+    found = accelerator()
+    return found if found in ("npu", "cuda") else "cpu"
 
 
 def force_reference() -> bool:

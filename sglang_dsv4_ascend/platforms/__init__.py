@@ -10,29 +10,11 @@ This module must stay import-light: many SGLang modules read `current_platform` 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
-from .. import settings
+from .. import device, settings
 
 CPU_PLATFORM = "sglang_dsv4_ascend.platforms.cpu.CpuReferencePlatform"
-
-
-
-def _accelerator_present() -> str | None:
-    """Name of an accelerator stack that owns this machine, or None."""
-    if importlib.util.find_spec("torch_npu") is not None:
-        # The Ascend platform (a subclass of SGLang's NPU platform) is not shipped yet; until
-        # it is, SGLang's own NPU platform serves and our general plugin still registers.
-        return "npu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return "xpu"
-    return None
 
 
 def activate() -> str | None:
@@ -45,4 +27,6 @@ def activate() -> str | None:
     # Never hijack a real accelerator install, nor SGLang's own CPU engine when asked for.
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1":
         return None
-    return None if _accelerator_present() else CPU_PLATFORM
+    # On an NPU host SGLang's own NPU platform serves (our Ascend platform, a subclass of it, is
+    # not shipped yet) and our general plugin still registers.
+    return None if device.accelerator() else CPU_PLATFORM

@@ -39,12 +39,12 @@ def test_platform_activation(monkeypatch, mode, expect):
 
 
 def test_platform_never_hijacks_an_accelerator(monkeypatch):
-    from sglang_dsv4_ascend import platforms
+    from sglang_dsv4_ascend import device, platforms
 
     monkeypatch.setenv(settings.PLATFORM.name, "auto")
-    monkeypatch.setattr(platforms, "_accelerator_present", lambda: "cuda")
+    monkeypatch.setattr(device, "accelerator", lambda: "cuda")
     assert platforms.activate() is None
-    monkeypatch.setattr(platforms, "_accelerator_present", lambda: None)
+    monkeypatch.setattr(device, "accelerator", lambda: None)
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     assert platforms.activate() is None
     monkeypatch.setenv(settings.PLATFORM.name, "bogus")
