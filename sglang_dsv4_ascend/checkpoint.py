@@ -18,6 +18,7 @@ from .names import DSV4_ARCHS
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+DESCRIPTION_FILE = "quant_model_description.json"  # a ModelSlim W8A8 checkpoint's description
 
 
 def read_index(model_dir: str) -> dict | None:

@@ -9,7 +9,7 @@ the deepest page boundary that has a state: everything past it is recomputed, ne
 another request's history. The tree itself, its locking and eviction are SGLang's, unchanged.
 
 Registered as `--radix-cache-backend dsv4_ascend`, which the plugin declares for DeepSeek-V4
-when the radix cache is on (`server_defaults.dsv4_overrides`).
+when the radix cache is on (`integration/server_defaults.model_adjustments`).
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..checkpoint import DESCRIPTION_FILE
 from ..distributed.sharding import SKIP, _part, shard
 from ..ops import quant as Q
 
-DESCRIPTION_FILE = "quant_model_description.json"
 W8A8, W8A8_DYNAMIC, FLOAT = "W8A8", "W8A8_DYNAMIC", "FLOAT"
 QUANT_TYPES = (W8A8, W8A8_DYNAMIC)
 # Keys of quant_model_description.json that are not tensor names.

@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 
+from ..checkpoint import DESCRIPTION_FILE
 from ..names import QUANT_METHOD
 
-DESCRIPTION_FILE = "quant_model_description.json"
 # Released DeepSeek-V4 tensor names: how a ModelSlim description of a V4 checkpoint looks.
 _DSV4_MARKERS = (".attn.wq_a.", ".attn.wkv.", ".ffn.experts.", ".ffn.shared_experts.")
 

@@ -86,7 +86,8 @@ def _tiny_model() -> dict:
 
 
 def collect() -> dict:
-    from sglang_dsv4_ascend import __version__, compat, device, platforms, registrations
+    from sglang_dsv4_ascend import __version__, device, platforms
+    from sglang_dsv4_ascend.integration import compat, components, hooks
 
     v = compat.installed_sglang_version()
     report = {
@@ -96,7 +97,7 @@ def collect() -> dict:
         "device_family": device.device_family(),
         "platform": platforms.activate() or "SGLang's own (ours stands aside)",
         "kernel_family": device.kernel_family(),
-        "components": [name for name, _ in registrations.COMPONENTS],
+        "components": [name for name, _ in components.COMPONENTS],
         "hooks": [],
         "imports": {
             "torch_npu": _import_check("torch_npu"),
@@ -107,7 +108,7 @@ def collect() -> dict:
         "tiny_model": _tiny_model(),
     }
     if report["sglang"]["supported"]:
-        for h in compat.hooks():
+        for h in hooks.HOOKS:
             try:
                 h.check()
                 report["hooks"].append({"name": h.name, "target": h.target, "ok": True})

@@ -46,8 +46,8 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import INDEX_FILE, shard_files, write_index
-from ..quantization.w8a8 import DESCRIPTION_FILE, FLOAT, V4_RECIPE, W8A8, W8A8_DYNAMIC
+from ..checkpoint import DESCRIPTION_FILE, INDEX_FILE, shard_files, write_index
+from ..quantization.w8a8 import FLOAT, V4_RECIPE, W8A8, W8A8_DYNAMIC
 
 _MAX_SAMPLES = 1 << 20  # activation values kept per layer for percentiles / clipping statistics
 

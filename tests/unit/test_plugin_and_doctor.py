@@ -21,7 +21,8 @@ def test_import_is_cheap():
     r = _run("""
         import sys
         import sglang_dsv4_ascend, sglang_dsv4_ascend.plugin, sglang_dsv4_ascend.platforms
-        import sglang_dsv4_ascend.registrations, sglang_dsv4_ascend.device
+        import sglang_dsv4_ascend.integration.components, sglang_dsv4_ascend.integration.hooks
+        import sglang_dsv4_ascend.device
         bad = [m for m in sys.modules if m.startswith(("torch_npu", "sglang.srt"))]
         print(bad)
     """)
@@ -91,16 +92,16 @@ def test_doctor_and_plugin_refuse_wrong_sglang(tmp_path, version):
 
 
 def test_hook_signature_mismatch_is_refused():
-    from sglang_dsv4_ascend.compat import Hook, UnsupportedSGLang
+    from sglang_dsv4_ascend.integration.compat import Hook, UnsupportedSGLang
 
     installed = []
-    ok = Hook("probe", "json:dumps", tuple(__import__("inspect").signature(json.dumps).parameters),
-              lambda: installed.append(1))
+    ok = Hook("probe", "json:dumps", tuple(__import__("inspect").signature(json.dumps).parameters), "AROUND",
+              lambda *a: installed.append(1))
     ok.check()
-    bad = Hook("probe", "json:dumps", ("obj",), lambda: installed.append(1))
+    bad = Hook("probe", "json:dumps", ("obj",), "AROUND", lambda *a: installed.append(1))
     with pytest.raises(UnsupportedSGLang, match="json:dumps has parameters"):
         bad.check()
-    missing = Hook("probe", "json:nope", (), lambda: None)
+    missing = Hook("probe", "json:nope", (), "AROUND", lambda *a: None)
     with pytest.raises(UnsupportedSGLang, match="not found"):
         missing.check()
 

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sglang_dsv4_ascend.quantization.w8a8 import (DESCRIPTION_FILE, W8A8Error, is_modelslim_checkpoint,
+from sglang_dsv4_ascend.checkpoint import DESCRIPTION_FILE
+from sglang_dsv4_ascend.quantization.w8a8 import (W8A8Error, is_modelslim_checkpoint,
                                                   load_w8a8_model_from_dir, read_quant_description)
 from sglang_dsv4_ascend.tools.quantize_w8a8 import format_summary, main, quantize_checkpoint
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from sglang_dsv4_ascend import request_guard as G
+from sglang_dsv4_ascend.integration import request_guard as G
+from sglang_dsv4_ascend.integration.hooks.request_validation import validate_one_request_hook
 
 torch = pytest.importorskip("torch")
 paged = pytest.importorskip("sglang.srt.mem_cache.allocator.paged")
@@ -265,10 +266,10 @@ def test_the_hook_reads_the_pool_the_scheduler_reported(monkeypatch):
     assert G.pool_limits(tm) == G.PoolLimits(8192, P, 8192)
     obj = NS(text=None, input_ids=None, input_embeds=None, return_logprob=False, sampling_params={"max_new_tokens": 60})
     with pytest.raises(G.RequestRejected, match="input_ids: 8100 prompt tokens \\+ max_new_tokens 60"):
-        G.validate_one_request_hook(tm, obj, [1] * 8100)
+        validate_one_request_hook(tm, obj, [1] * 8100)
     obj.sampling_params = {"max_new_tokens": 60}
-    assert G.validate_one_request_hook(tm, obj, [1] * 7000) is None
+    assert validate_one_request_hook(tm, obj, [1] * 7000) is None
     # before the scheduler reported (or in an offline Engine, which keeps the record): no pool check
     monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server", NS(_global_state=None))
     assert G.pool_limits(tm) is None
-    assert G.validate_one_request_hook(tm, obj, [1] * 8100) is None
+    assert validate_one_request_hook(tm, obj, [1] * 8100) is None

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_dsv4_ascend import request_guard as G
+from sglang_dsv4_ascend.integration import request_guard as G
+from sglang_dsv4_ascend.integration.hooks.generate_stream_refusals import stream_refusals_hook
+from sglang_dsv4_ascend.integration.hooks.request_normalize_errors import normalize_hook
 from sglang_dsv4_ascend import settings
 
 V = 1024
@@ -169,10 +171,10 @@ def test_n_is_checked_before_sglang_expands_the_request():
     for params in ({"n": 0}, [{"n": 0}, {"n": 0}], {"n": settings.MAX_N.default + 1}):
         obj = SimpleNamespace(input_embeds=None, sampling_params=params)
         with pytest.raises(G.RequestRejected, match=r"^n = "):
-            G.normalize_hook(lambda self: ran.append(self), obj)
+            normalize_hook(lambda self: ran.append(self), obj)
     assert ran == []
-    G.normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params={"n": 2}))
-    G.normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params=None))
+    normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params={"n": 2}))
+    normalize_hook(lambda self: ran.append(self), SimpleNamespace(input_embeds=None, sampling_params=None))
     assert len(ran) == 2
 
 
@@ -355,7 +357,7 @@ def serve(http_server, monkeypatch, tm, stream=True, hook=True):
     orig = http_server.serve_generate_request
 
     async def run():
-        response = await (G.stream_refusals_hook(orig, obj, FakeRequest()) if hook else orig(obj, FakeRequest()))
+        response = await (stream_refusals_hook(orig, obj, FakeRequest()) if hook else orig(obj, FakeRequest()))
         body = await body_of(response) if hasattr(response, "body_iterator") else response.body
         if response.background is not None:
             await response.background()
@@ -393,7 +395,7 @@ def test_streams_that_pass_validation_are_unchanged(http_server, monkeypatch):
 
 
 def test_stream_hook_is_registered_against_sglangs_signature(http_server):
-    from sglang_dsv4_ascend.registrations import HOOKS
+    from sglang_dsv4_ascend.integration.hooks import HOOKS
 
     hook = next(h for h in HOOKS if h.name == "generate_stream_refusals")
     hook.check()

@@ -1,4 +1,4 @@
-"""The per-request speculative counters a client reads (spec_stream.verify_round_metrics around
+"""The per-request speculative counters a client reads (hook spec_accept_length_from_rounds around
 SGLang's own `_calculate_spec_decoding_metrics`): the accept length counts only the tokens verify
 rounds committed, so tokens decoded as plain one-token steps in mixed chunks (or the prefill's
 token) never raise it past the block, and a request without a verify round still has counters.
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.managers import tokenizer_manager as tm
 
-from sglang_dsv4_ascend.spec_stream import verify_round_metrics
+from sglang_dsv4_ascend.integration.hooks.spec_accept_length_from_rounds import verify_round_metrics
 
 DRAFT_TOKENS = 5  # block size 4 + the anchor
 

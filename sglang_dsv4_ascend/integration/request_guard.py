@@ -45,22 +45,21 @@ int64 and logit_bias keys outside the vocabulary:
     stream_interval   an integer in [0, 2**31 - 1] (0: the server's --stream-interval)
     stop_token_ids    token ids in [0, vocab)
 
-Where the checks run (all written down in patches/README.md):
-* `check_request` is called by a BEFORE hook on `TokenizerManager._validate_one_request`, the
-  one per-request validation step SGLang runs for single, batched, OpenAI completion and chat
-  requests, after tokenization and before anything is sent to the scheduler. A ValueError there
-  becomes SGLang's own 400 response.
-* `normalize_hook` wraps `GenerateReqInput.normalize_batch_and_arguments`, which only reshapes
-  the client's fields: an error there is the client's and becomes a 400, not a 500. `n` is
-  checked there, before SGLang expands the request into n copies.
-* `RequestGate` is an ASGI middleware added to SGLang's FastAPI app when the HTTP server
-  launches: an oversized body is refused before it is parsed or tokenized, and a body of a shape
-  SGLang's own parsing would crash on (a JSON list instead of an object, a string where an
-  object belongs, nesting deeper than MAX_JSON_DEPTH) gets a 400 naming the field.
-* `stream_refusals_hook` wraps `http_server.serve_generate_request`: a streamed /generate request
-  that any validation refuses gets the same 4xx as a non-streamed one instead of a 200 whose
-  stream carries the error. SGLang's OpenAI routes already do this (they wait for the first
-  chunk before answering); /generate now does the same.
+Where the checks run (hooks in integration/hooks/, all written down in patches/README.md):
+* `check_request` is called by the BEFORE hook `request_validation` on
+  `TokenizerManager._validate_one_request`, the one per-request validation step SGLang runs for
+  single, batched, OpenAI completion and chat requests, after tokenization and before anything is
+  sent to the scheduler. A ValueError there becomes SGLang's own 400 response.
+* `check_n` runs first in the AROUND hook `request_normalize_errors` on
+  `GenerateReqInput.normalize_batch_and_arguments`, before SGLang expands the request into n
+  copies; that hook turns any error of the step (it only reshapes the client's fields) into a 400.
+* `RequestGate` is an ASGI middleware the hook `http_request_gate` adds to SGLang's FastAPI app
+  when the HTTP server launches: an oversized body is refused before it is parsed or tokenized,
+  and a body of a shape SGLang's own parsing would crash on (a JSON list instead of an object, a
+  string where an object belongs, nesting deeper than MAX_JSON_DEPTH) gets a 400 naming the field.
+* the hook `generate_stream_refusals` on `http_server.serve_generate_request` gives a streamed
+  /generate request that any validation refuses the same 4xx as a non-streamed one instead of a
+  200 whose stream carries the error, as SGLang's OpenAI routes already do.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from . import settings
-from .checkpoint import is_dsv4_architectures, serves_dsv4
+from .. import settings
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_CONTEXT_TOKEN = 32  # a JSON token id is ~6 bytes, a text token ~4 chars (x6 escaped)
@@ -406,19 +404,6 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
         check_fits(obj, len(input_ids), params, limits, checks_total=checks_total, truncates=truncates)
 
 
-def validate_one_request_hook(self, obj, input_ids):
-    """BEFORE hook on `TokenizerManager._validate_one_request(self, obj, input_ids)`."""
-    hf = self.model_config.hf_config
-
-    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size,
-                  dsv4=is_dsv4_architectures(getattr(hf, "architectures", None)),
-                  speculative=getattr(self.server_args, "speculative_algorithm", None),
-                  context_len=getattr(self, "context_len", None), limits=pool_limits(self),
-                  checks_total=getattr(self, "validate_total_tokens", True),
-                  truncates=bool(getattr(self, "allow_auto_truncate", False)))
-    return None
-
-
 def _scheduler_info() -> dict:
     """What the scheduler reported at launch (max_total_num_tokens among it). SGLang hands the
     tokenizer manager only max_req_input_len, which does not reveal a pool as large as the
@@ -467,32 +452,8 @@ def pool_limits(tm) -> PoolLimits | None:
                       decode_reserve=_decode_reserve(tm.server_args), radix_disabled=radix_disabled)
 
 
-_CLIENT_FAULTS = (TypeError, IndexError, KeyError, AttributeError, OverflowError)
-
-
 INPUT_EMBEDS_REFUSED = ("input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
                         "ignored and the answer would be for a different prompt); send text or input_ids")
-
-
-def normalize_hook(orig, self):
-    """AROUND hook on `GenerateReqInput.normalize_batch_and_arguments(self)`: that step only
-    reshapes what the client sent, so any error in it is the client's. Stock SGLang lets some
-    escape as TypeError / IndexError / OverflowError (e.g. `n: null`, `sampling_params: []`,
-    `n: 2**63`), which become 500s; they become 400s here. `n` is checked first, before it
-    multiplies the request (and `n: 0` reaches a range() step). input_embeds for DeepSeek-V4 is
-    refused here, first: SGLang's own refusal under the radix cache would send the user to
-    --disable-radix-cache, after which ours would refuse it anyway."""
-    if getattr(self, "input_embeds", None) is not None and serves_dsv4():
-        raise RequestRejected(INPUT_EMBEDS_REFUSED)
-    params = getattr(self, "sampling_params", None)
-    for p in params if isinstance(params, list) else [params]:
-        if isinstance(p, dict):
-            check_n(p)
-    try:
-        return orig(self)
-    except _CLIENT_FAULTS as e:
-        raise RequestRejected(f"malformed request (text / input_ids / sampling_params do not fit together "
-                              f"or have the wrong type): {type(e).__name__}: {e}") from e
 
 
 class RequestGate:
@@ -639,65 +600,3 @@ async def _drain(receive) -> None:
         drained += len(message.get("body", b""))
         if not message.get("more_body", False):
             return
-
-
-def add_request_gate(server_args, *args, **kwargs):
-    """BEFORE hook on `http_server.launch_server`: add the middleware to SGLang's app before it
-    starts serving (Starlette refuses middleware after start)."""
-    from sglang.srt.entrypoints import http_server
-
-    if not any(m.cls is RequestGate for m in http_server.app.user_middleware):
-        http_server.app.add_middleware(
-            RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
-    return None
-
-
-async def stream_refusals_hook(orig, obj, request):
-    """AROUND `http_server.serve_generate_request(obj, request)`: for a streamed request, pull the
-    stream's first chunk before the response starts. SGLang validates (and we refuse) inside that
-    stream, so a refusal used to arrive as `data: {"error": ...}` after a 200; it is now answered
-    with its own 4xx and the same error object. Otherwise the first chunk is put back in front of
-    the stream: the client gets the same bytes, its headers when the first output is ready (as
-    SGLang's OpenAI routes already do)."""
-    response = await orig(obj, request)
-    stream = getattr(response, "body_iterator", None)
-    if not getattr(obj, "stream", False) or not hasattr(stream, "aclose"):
-        return response
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:  # the client left before anything was produced
-        first = None
-    error = _sse_error(first)
-    if error is not None:
-        await stream.aclose()
-        from starlette.responses import JSONResponse
-
-        code = error.get("code")
-        status = code if _is_int(code) and 400 <= code < 600 else 400
-        # the stream's own clean-up (SGLang's abort of the request) still runs after the answer
-        return JSONResponse({"error": error}, status_code=status, background=response.background)
-    response.body_iterator = _prepended(first, stream)
-    return response
-
-
-def _sse_error(chunk) -> dict | None:
-    """The error object of a `data: {"error": {...}}` event (SGLang's in-stream refusal), else None."""
-    if not isinstance(chunk, (bytes, str)):
-        return None
-    raw = chunk.encode() if isinstance(chunk, str) else chunk
-    if not raw.startswith(b'data: {"error"'):
-        return None
-    try:
-        event = json.loads(raw[len(b"data: "):])
-    except ValueError:
-        return None
-    if isinstance(event, dict) and list(event) == ["error"] and isinstance(event["error"], dict):
-        return event["error"]
-    return None
-
-
-async def _prepended(first, rest):
-    if first is not None:
-        yield first
-    async for chunk in rest:
-        yield chunk

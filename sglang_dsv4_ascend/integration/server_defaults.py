@@ -1,6 +1,6 @@
 """Server settings for DeepSeek-V4 under this plugin: what we declare, what we refuse.
 
-Three SGLang seams, all registered in registrations.py:
+Three SGLang seams, all registered in components.py:
 * `checkpoint_checks` — a resolution hook after `handle_model_source_paths`: a local DeepSeek-V4
   checkpoint is validated with our messages (config fields, tokenizer files, quantization
   files) before transformers or SGLang read it and fail with messages that point elsewhere.
@@ -24,8 +24,9 @@ import json
 import logging
 import os
 
-from .checkpoint import is_dsv4_architectures, is_dsv4_config, tensor_names
-from .names import (
+from ..checkpoint import DESCRIPTION_FILE, is_dsv4_architectures, is_dsv4_config, tensor_names
+from ..config import DSV4Config
+from ..names import (
     BACKEND_NAME,
     CPU_DSV4_MAX_RUNNING_REQUESTS,
     CPU_MAX_TOTAL_TOKENS,
@@ -88,7 +89,7 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
     dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
     dp_attn = dp > 1 or bool(cfg.enable_dp_attention)
     if hf is not None and (cfg.tp_size > 1 or cfg.ep_size > 1 or dp_attn):
-        from .distributed.layout import layout_problems
+        from ..distributed.layout import layout_problems  # imports torch
 
         out += layout_problems(hf, cfg.tp_size, cfg.ep_size, dp, dp_attn)
         need(cfg.quantization != QUANT_METHOD or cfg.ep_size == cfg.tp_size,
@@ -170,7 +171,7 @@ def speculative_problems(cfg) -> list[str]:
                                    "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
     steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
     if dspark:
-        from .speculative.planner import verify_mode
+        from ..speculative.planner import verify_mode  # imports torch
 
         gamma = getattr(cfg, "speculative_dspark_block_size", None)
         need(gamma is None or gamma >= 1, f"--speculative-dspark-block-size {gamma}: must be >= 1")
@@ -286,9 +287,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
     """What is wrong with a local DeepSeek-V4 checkpoint for the settings `cfg`, one message each."""
-    from .config import DSV4Config
-    from .quantization.w8a8_ascend import DESCRIPTION_FILE
-
     out = []
     try:
         DSV4Config.from_hf(raw)

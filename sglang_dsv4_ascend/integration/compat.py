@@ -3,7 +3,8 @@
 Hooks reach into SGLang functions that no registry covers; those are private and change between
 releases. A hook on a changed target would misbehave silently, so before installing anything we
 check the SGLang version and each target's signature and refuse to start, naming the supported
-range, on any mismatch. Every hook here is written down in patches/README.md.
+range, on any mismatch, and install either every hook or none. Each hook is declared beside its
+body in integration/hooks/<name>.py and written down in patches/README.md.
 """
 
 from __future__ import annotations
@@ -55,14 +56,28 @@ def check_sglang_version() -> str:
     return v
 
 
+HOOK_KINDS = ("BEFORE", "AFTER", "AROUND", "REPLACE")  # SGLang's HookType members
+
+
 @dataclass(frozen=True)
 class Hook:
-    """One hook: where it goes, the parameters its target must have, and how to install it."""
+    """One HookRegistry hook: where it goes, the parameters its target must have, how it wraps
+    the target (`kind`) and our function (`body`)."""
 
     name: str
-    target: str  # "module:qualname"
+    target: str  # "module:qualname" of the SGLang function
     params: tuple  # expected parameter names of the target, in order
-    install: Callable[[], None]
+    kind: str  # one of HOOK_KINDS
+    body: Callable
+
+    def __post_init__(self):
+        if self.kind not in HOOK_KINDS:
+            raise ValueError(f"hook {self.name}: kind {self.kind!r} is not one of {HOOK_KINDS}")
+
+    def install(self) -> None:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(self.target.replace(":", "."), self.body, getattr(HookType, self.kind))
 
     def resolve(self):
         mod_name, qual = self.target.split(":")
@@ -86,15 +101,8 @@ class Hook:
             )
 
 
-def hooks() -> list[Hook]:
-    from sglang_dsv4_ascend import registrations
-
-    return list(registrations.HOOKS)
-
-
-def install_hooks() -> list[str]:
+def install_hooks(hs: list[Hook]) -> list[str]:
     """Check every hook target first, then install them all (nothing half-installed)."""
-    hs = hooks()
     for h in hs:
         h.check()
     for h in hs:

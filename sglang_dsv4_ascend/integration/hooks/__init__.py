@@ -1,0 +1,51 @@
+"""Every SGLang function the plugin hooks, one file each, named as the hook.
+
+A hook exists only where SGLang has no registry for what we need. Each file holds the hook's body,
+its target ("module:qualname"), the parameters that target must have, the kind (BEFORE / AROUND,
+SGLang's HookType) and why it exists, and declares its `HOOK` right below the body.
+`patches/README.md` is the register (what each does, why, the upstream change that removes it),
+in the order below; tests/unit/test_docs.py fails when the two differ.
+
+`plugin.register()` checks every target's signature first and installs all of them or none
+(`compat.install_hooks`). Importing this package imports no SGLang module: bodies import what they
+need when they run.
+"""
+
+from __future__ import annotations
+
+from . import (
+    cpu_dp_attention_sync,
+    cpu_spec_assign_slots,
+    cpu_spec_last_loc,
+    dspark_args_on_cpu,
+    dsv4_kv_pool,
+    eagle_tree_page_check,
+    generate_stream_refusals,
+    http_request_gate,
+    nextn_worker_on_builtin_platforms,
+    request_normalize_errors,
+    request_validation,
+    spec_accept_length_from_rounds,
+    spec_stats_every_chat_chunk,
+    spec_stats_every_completion_chunk,
+    spec_stats_every_output,
+)
+
+# The order of patches/README.md (its numbers).
+HOOKS = [
+    dsv4_kv_pool.HOOK,
+    request_validation.HOOK,
+    request_normalize_errors.HOOK,
+    http_request_gate.HOOK,
+    eagle_tree_page_check.HOOK,
+    cpu_spec_last_loc.HOOK,
+    cpu_spec_assign_slots.HOOK,
+    nextn_worker_on_builtin_platforms.HOOK,
+    dspark_args_on_cpu.HOOK,
+    spec_stats_every_chat_chunk.HOOK,
+    spec_stats_every_completion_chunk.HOOK,
+    spec_stats_every_output.HOOK,
+    cpu_dp_attention_sync.HOOK,
+    generate_stream_refusals.HOOK,
+    spec_accept_length_from_rounds.HOOK,
+]
