@@ -45,11 +45,10 @@ Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fuse
   The combine sums in fp32 in the order of the sorted rows; the device's finalize may sum in a
   different order, so compare the combine with a tolerance, everything before it bit for bit.
 
-Choosing an implementation: `kernels(family)` returns a `QuantKernels` bundle for 'reference',
-'triton' or 'npu' (default: `sglang_dsv4_ascend.device.kernel_family()`;
-SGLANG_DSV4_FORCE_REFERENCE=1 forces 'reference'). The bundle owns the weight layout its matmuls
-expect (`prepare_weight`, applied once after loading): 'nk' = the checkpoint's [N, K] for the
-reference and Triton, 'kn' + FRACTAL_NZ for the NPU.
+Choosing an implementation is the ops dispatcher's (`sglang_dsv4_ascend.ops.kernels(family)`): its
+table holds each family's W8A8 ops and the weight layout its matmuls expect (`prepare_weight`,
+applied once after loading): 'nk' = the checkpoint's [N, K] for the reference and Triton, 'kn' +
+FRACTAL_NZ for the NPU. This module imports no other implementation.
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -435,12 +434,13 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
              w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
-             out_dtype=None, ops: "QuantKernels | None" = None) -> torch.Tensor:
+             out_dtype=None, ops=None) -> torch.Tensor:
     """The routed-expert W8A8 chain (module docstring). x [T, d]; topk_ids/weights [T, k];
     w13 [E, 2I, d] (gate rows first), w2 [E, d, I] in the `ops` bundle's weight layout;
-    scales [E, 2I] / [E, d]. Ids outside [0, E) are copies for another EP rank's experts: they
+    scales [E, 2I] / [E, d]; `ops`: a kernel family's table (`ops.kernels(...)`; default: this module's
+    reference ops). Ids outside [0, E) are copies for another EP rank's experts: they
     contribute nothing here. Returns fp32 [T, d] (the caller adds the shared expert and casts)."""
-    ops = ops or kernels("reference")
+    ops = ops or _REFERENCE
     out_dtype = out_dtype or x.dtype
     E = w13.shape[0]
     xq, xs = ops.dynamic_quant(x)
@@ -459,69 +459,12 @@ def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# implementation families
-
-
-@dataclass(frozen=True)
-class QuantKernels:
-    """One implementation family's W8A8 ops. `weight_layout` is what `prepare_weight` produces and
-    what `quant_matmul` / `grouped_quant_matmul` expect ('nk' or 'kn'); modules call
-    `prepare_weight` once after loading the checkpoint's [.., N, K] int8 weights."""
-
-    family: str
-    weight_layout: str
-    prepare_weight: Callable
-    dynamic_quant: Callable
-    static_quant: Callable
-    quant_matmul: Callable  # (xq, w, w_scale, x_scale=None, bias=None, out_dtype=bf16)
-    grouped_quant_matmul: Callable  # (xq, w, scales, per_token, group_list, group_list_type, out_dtype)
-
-
-def _reference_kernels() -> QuantKernels:
-    return QuantKernels("reference", "nk", lambda w: w.contiguous(), dynamic_quant, static_quant,
-                        quant_matmul, grouped_quant_matmul)
-
-
-def _triton_kernels() -> QuantKernels:
-    from .triton import quant as tq
-
-    return QuantKernels("triton", "nk", lambda w: w.contiguous(), tq.dynamic_quant, static_quant,
-                        tq.quant_matmul, grouped_quant_matmul)
-
-
-def _npu_kernels() -> QuantKernels:
-    from . import npu
-
-    return QuantKernels("npu", "kn", npu.prepare_weight, npu.dynamic_quant, npu.static_quant,
-                        npu.quant_matmul, npu.grouped_quant_matmul)
-
-
-# 'cpu' runs the reference bit rules; its 'auto' int8 GEMM is the fastest exact method (int8_method).
-_FAMILIES = {"reference": _reference_kernels, "cpu": _reference_kernels, "triton": _triton_kernels,
-             "npu": _npu_kernels}
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels_cached(family: str) -> QuantKernels:
-    return _FAMILIES[family]()
-
-
-def kernels(family: Optional[str] = None) -> QuantKernels:
-    """The W8A8 op bundle for `family` ('reference' | 'cpu' | 'triton' | 'npu'); None = the process's
-    `device.kernel_family()` (SGLANG_DSV4_FORCE_REFERENCE=1 -> 'reference')."""
-    if family is None:
-        from ..device import kernel_family
-
-        family = kernel_family()
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_FAMILIES)}")
-    return _kernels_cached(family)
-
+# moe_w8a8's default ops: the definitions above (the dispatcher's 'reference' table holds the same)
+_REFERENCE = SimpleNamespace(dynamic_quant=dynamic_quant, grouped_quant_matmul=grouped_quant_matmul)
 
 __all__ = [
-    "QuantKernels", "dequant", "deq_scale_fp32_to_int64", "deq_scale_int64_to_fp32", "dynamic_quant",
-    "group_bounds", "grouped_quant_matmul", "int8_matmul", "kernels", "moe_w8a8", "quant_matmul",
+    "dequant", "deq_scale_fp32_to_int64", "deq_scale_int64_to_fp32", "dynamic_quant",
+    "group_bounds", "grouped_quant_matmul", "int8_matmul", "moe_w8a8", "quant_matmul",
     "round_half_even", "saturate_int8", "sort_by_expert", "static_quant", "static_recip_offset",
     "swiglu_clamped",
 ]

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..checkpoint import DESCRIPTION_FILE
 from ..distributed.sharding import SKIP, _part, shard
+from .. import ops
 from ..ops import quant as Q
 
 W8A8, W8A8_DYNAMIC, FLOAT = "W8A8", "W8A8_DYNAMIC", "FLOAT"
@@ -175,7 +176,7 @@ class W8A8Linear(nn.Module):
             raise W8A8Error(f"{name or 'W8A8Linear'}: scheme must be one of {QUANT_TYPES}, got {scheme!r}")
         self.in_features, self.out_features, self.scheme, self.name = in_features, out_features, scheme, name
         self.param_dtype, self.scale_dtype = param_dtype, scale_dtype
-        self.kernels = Q.kernels(family)
+        self.kernels = ops.kernels(family)
         N, K = out_features, in_features
         self.register_buffer("weight", torch.zeros(N, K, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.zeros(N, dtype=scale_dtype, device=device))
@@ -269,7 +270,7 @@ class W8A8Experts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden, self.inter, self.limit, self.name = num_experts, hidden, inter, limit, name
         self.first = first  # global id of the first expert held here (expert parallel: this rank's range)
-        self.kernels = Q.kernels(family)
+        self.kernels = ops.kernels(family)
         E, d, I = num_experts, hidden, inter
         self.register_buffer("w13_weight", torch.zeros(E, 2 * I, d, dtype=torch.int8, device=device))
         self.register_buffer("w13_weight_scale", torch.zeros(E, 2 * I, dtype=scale_dtype, device=device))
@@ -580,7 +581,9 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
     for mod in model.modules():
         if isinstance(mod, (W8A8Linear, W8A8Experts)):
             mod.process_weights_after_loading()
-            if mod.kernels.family == "reference":  # the families with their own GEMMs choose no method
+            # a family whose GEMM is the reference's (reference, cpu) runs its fastest exact int8 method;
+            # families with GEMMs of their own choose none
+            if mod.kernels.quant_matmul is Q.quant_matmul:
                 shapes |= ({(mod.in_features, mod.out_features)} if isinstance(mod, W8A8Linear)
                        else {(mod.hidden, 2 * mod.inter), (mod.inter, mod.hidden)})
                 device = next(mod.buffers()).device

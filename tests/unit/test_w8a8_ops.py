@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from oracles import w8a8_oracle as O
-from sglang_dsv4_ascend.ops import quant as Q
+from sglang_dsv4_ascend import ops
 from sglang_dsv4_ascend import settings as dsv4_settings
+from sglang_dsv4_ascend.ops import quant as Q
 
 HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -500,8 +501,8 @@ def test_moe_chain_skips_other_ranks_experts():
         out[int(group_list[-1]):] = float("nan")
         return out
 
-    ops = dataclasses.replace(Q.kernels("reference"), grouped_quant_matmul=unwritten_nan)
-    got = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, limit=10.0, ops=ops).numpy().astype(np.float64)
+    table = dataclasses.replace(ops.kernels("reference"), grouped_quant_matmul=unwritten_nan)
+    got = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, limit=10.0, ops=table).numpy().astype(np.float64)
     _, want = O.moe_chain(_np(x), torch.where(here, ids, 0).numpy(), _np(torch.where(here, wts, 0.0)),
                           w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
     mag = np.abs(want).max()
@@ -513,8 +514,8 @@ def test_moe_chain_skips_other_ranks_experts():
     def zero_weight_combine(x, topk_ids, topk_weights, *a, **kw):
         E = w13.shape[0]
         rows, order, counts = Q.sort_by_expert(topk_ids, E)
-        y = ops.grouped_quant_matmul(Q.dynamic_quant(x)[0][rows], w13, s13, Q.dynamic_quant(x)[1][rows],
-                                     torch.cumsum(counts, 0), 0, x.dtype)
+        y = table.grouped_quant_matmul(Q.dynamic_quant(x)[0][rows], w13, s13, Q.dynamic_quant(x)[1][rows],
+                                       torch.cumsum(counts, 0), 0, x.dtype)
         w = torch.where((topk_ids >= 0) & (topk_ids < E), topk_weights, 0.0).reshape(-1)[order]
         return torch.zeros(x.shape[0], y.shape[-1]).index_add_(0, rows, y.float() * w[:, None])
 
@@ -526,11 +527,11 @@ def test_moe_chain_skips_other_ranks_experts():
 
 
 def test_kernels_dispatch_and_force_reference(monkeypatch):
-    assert Q.kernels("reference").dynamic_quant is Q.dynamic_quant
+    assert ops.kernels("reference").dynamic_quant is Q.dynamic_quant
     monkeypatch.setenv("SGLANG_DSV4_FORCE_REFERENCE", "1")
-    assert Q.kernels().family == "reference"
+    assert ops.kernels().family == "reference"
     with pytest.raises(ValueError, match="unknown kernel family"):
-        Q.kernels("tpu")
+        ops.kernels("tpu")
 
 
 def test_npu_module_imports_without_torch_npu():
