@@ -9,19 +9,12 @@ geometry and the pools.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .. import settings
-from ..models.dsv4_core import Segment
-
-
-@dataclass
-class DSV4ForwardMetadata:
-    segments: list  # [Segment], in token order
-    plan: object = None  # attention_backend.plan.ForwardPlan, built once per forward
+from ..batch import DSV4ForwardMetadata, Segment
+from ..kvcache import plan as kv_plan
 
 
 def _cpu_list(x) -> list:
@@ -84,9 +77,7 @@ class DSV4AscendBackend(AttentionBackend):
             self._want_hinted_states(segments, getattr(forward_batch, "rids", None))
         plan = None
         if segments and self.build_plans:
-            from .plan import build_plan
-
-            plan = build_plan(segments, self.cache)
+            plan = kv_plan.build_plan(segments, self.cache)
         self.forward_metadata = DSV4ForwardMetadata(segments, plan)
 
     def _resume_prefix_hits(self, segments) -> None:

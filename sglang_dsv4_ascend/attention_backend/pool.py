@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
 from .. import settings
-from .cache import ENTRY_ALIGN, DSV4Cache
+from ..kvcache.cache import ENTRY_ALIGN, DSV4Cache
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DSV4TokenToKVPool(KVCache):
         # Token-slot ids run up to size + page_size (SGLang's pools keep one padding page).
         self.cache = DSV4Cache(cfg, num_slots, max_context_len - spec_slack, spec_slack, dtype=dtype,
                                device=device, token_slots=req_to_token, num_token_slots=size + page_size)
-        if prefix_states:  # the radix cache is on: save states at page boundaries (prefix_state.py)
+        if prefix_states:  # the radix cache is on: save states at page boundaries (kvcache/prefix_state.py)
             st = self.cache.enable_prefix_states(page=page_size).stats()
             logger.info("dsv4_ascend prefix states: %d x %.2f MiB = %.1f MiB (set %s to change the count)",
                         st["capacity"], st["bytes"] / st["capacity"] / 2**20, st["bytes"] / 2**20,

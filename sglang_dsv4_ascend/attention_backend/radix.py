@@ -2,9 +2,9 @@
 the model can resume from.
 
 SGLang's tree already shares what DeepSeek-V4 keeps per token: the compressed C4 / C128 /
-indexer entries are paged through the tree's token slots (`cache.py`). What a token slot does not
+indexer entries are paged through the tree's token slots (`kvcache/cache.py`). What a token slot does not
 carry is the request's window and open compressor rows at the hit's end; those come from the
-prefix state saved at that page boundary (`prefix_state.py`). So a match is reported only up to
+prefix state saved at that page boundary (`kvcache/prefix_state.py`). So a match is reported only up to
 the deepest page boundary that has a state: everything past it is recomputed, never read from
 another request's history. The tree itself, its locking and eviction are SGLang's, unchanged.
 

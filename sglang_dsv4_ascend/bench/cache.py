@@ -55,7 +55,7 @@ MLA_LATENT = 512 + 64
 
 
 def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
-    from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
+    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
     from sglang_dsv4_ascend.config import DSV4Config
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
@@ -96,10 +96,10 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
     --dp-size dp --enable-dp-attention (attention TP = tp / dp). Rank 0; every rank holds the same
     amount. Traffic: bytes one rank sends per decode step in which every DP rank decodes one token
     (ring all-reduce, 2 (n - 1) / n of the buffer)."""
-    from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
+    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
     from sglang_dsv4_ascend.config import DSV4Config
     from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
-    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
     problems = layout_problems(cfg, tp, ep, dp, enable_dp_attention=dp > 1)

@@ -9,7 +9,7 @@ prefix: the first sharer and a later one. A prompt is sent with max_new_tokens =
 is its time to first token; `cached_tokens` is the server's own count of the hit (the deepest page
 boundary with a saved state). When the shared part ends inside a prompt longer than the state
 store holds, its boundary's state may be gone by the time the first sharer arrives: that one then
-hits less, asks the store to keep the branching point, and later sharers hit it (prefix_state.py,
+hits less, asks the store to keep the branching point, and later sharers hit it (kvcache/prefix_state.py,
 `hint`). Every prompt is new to the server, so a cold run never hits by accident. Medians over --repeats, ratios to cold in the
 same run. Memory: bytes per cached token of the released Flash / Pro configs (bf16) with and
 without prefix states at the default density, next to the per-request cost without a cache.
@@ -28,8 +28,8 @@ import time
 def memory(name: str) -> dict:
     import torch
 
-    from ..attention_backend.cache import DSV4Cache
-    from ..attention_backend.prefix_state import PrefixStates
+    from ..kvcache.cache import DSV4Cache
+    from ..kvcache.prefix_state import PrefixStates
     from ..config import DSV4Config
     from ..names import PAGE_SIZE
     from .cache import CONFIGS

@@ -141,7 +141,7 @@ class InProcess:
 
     @torch.no_grad()
     def _prefill(self, cache, prompts):
-        from ..models.dsv4_core import Segment
+        from ..batch import Segment
 
         segs, off, last = [], 0, []
         for b, p in enumerate(prompts):
@@ -158,7 +158,7 @@ class InProcess:
     @torch.no_grad()
     def nospec(self, prompts, new_tokens: int, total: int, max_len: int) -> dict:
         """Greedy decode of `total` tokens per request; timed over the first `new_tokens`."""
-        from ..models.dsv4_core import Segment
+        from ..batch import Segment
 
         B = len(prompts)
         cache = self.trunk.make_cache(B, max_len)

@@ -47,7 +47,7 @@ class DSparkInProcess:
 
     @torch.no_grad()
     def spec(self, prompts, gamma: int, mode: str, cost, drafter_factory, new_tokens: int, max_len: int) -> dict:
-        from ..models.dsv4_core import Segment
+        from ..batch import Segment
         from ..speculative.engine import STAGES, SpecEngine
         from ..speculative.planner import Planner
 

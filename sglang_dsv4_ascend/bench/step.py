@@ -62,9 +62,9 @@ class _Timed:
 
 def run(preset: str, batches, widths, context: int, reps: int) -> dict:
     from .. import ops
-    from ..attention_backend.plan import build_plan
+    from ..kvcache.plan import build_plan
     from ..layers.moe import MoE
-    from ..models.dsv4_core import Segment
+    from ..batch import Segment
     from ..tools.host_sync import count_host_syncs
 
     model = _build(preset)

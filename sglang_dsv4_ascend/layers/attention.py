@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed.layout import Layout
-from ..attention_backend.cache import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
+from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..ops.reference import Source
 from . import RMSNorm
 from .compressor import Compressor
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         return self.layout.attn_all_reduce(self.wo_b(self._grouped_wo_a(out)))
 
     def forward(self, x, positions, segments, cache, pending: list | None = None, plan=None) -> torch.Tensor:
-        """The batched path when a `plan` (attention_backend.plan) is given, else the per-segment
+        """The batched path when a `plan` (kvcache/plan.py) is given, else the per-segment
         definition (`forward_segments`), which the tests use as the oracle."""
         if plan is None:
             return self.forward_segments(x, positions, segments, cache, pending)
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         out = ops.sparse_attention_sources(q, sources, self.attn_sink, self.head_dim**-0.5)
         writes = LayerWrites(self.layer_id, plan, kv, rows, entries)
         if pending is None:
-            writes.store(cache)
+            cache.store_layer(writes)
         else:
             pending.append(writes)
         return self._finish(out, cos, sin)

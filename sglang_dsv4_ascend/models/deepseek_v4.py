@@ -1,5 +1,8 @@
-"""`DeepseekV4ForCausalLM` as SGLang loads it: the plain-torch trunk (dsv4_core) fed by the
-dsv4_ascend backend's per-request segments, with SGLang's LogitsProcessor on top."""
+"""The SGLang adapter: `DeepseekV4ForCausalLM` as SGLang loads it (its `EntryClass`, found through
+SGLANG_EXTERNAL_MODEL_PACKAGE). It wraps the trunk (trunk.py, the model itself in plain torch),
+feeds it the dsv4_ascend backend's per-request segments and plan (batch.DSV4ForwardMetadata), puts
+SGLang's LogitsProcessor on top, builds the draft a speculative worker asks for and loads the
+weights SGLang hands it."""
 
 from __future__ import annotations
 
@@ -8,12 +11,13 @@ import os
 import torch
 from torch import nn
 
+from ..batch import DSV4ForwardMetadata
 from ..checkpoint import read_index
 from ..config import DSV4Config
 from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
 from ..distributed.layout import Layout, log_layout
 from ..layers.vocab_parallel import GatheredHead
-from .dsv4_core import DSV4Model
+from .trunk import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
 from .dspark import PREFIX as DSPARK_PREFIX
@@ -75,8 +79,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         backend = get_attn_backend()
         meta = backend.forward_metadata
         if meta is None:  # an idle DP-attention rank (SGLang drops the metadata): no rows of its own
-            from ..attention_backend.backend import DSV4ForwardMetadata
-
             meta = DSV4ForwardMetadata(segments=[])
         plan = meta.plan if self.model.attention_impl == "batched" else None
         aux = dict(self.capture_aux) if self.capture_aux is not None else None

@@ -36,7 +36,7 @@ from .. import ops
 from ..config import DSV4Config
 from ..layers import RMSNorm
 from ..layers.mhc import hc_head
-from .dsv4_core import Block, add_hc_head, cast_params
+from .trunk import Block, add_hc_head, cast_params
 from .nextn import draft_config
 
 N_STAGES = 3

@@ -24,7 +24,9 @@ from torch import nn
 from ..config import DSV4Config
 from ..layers import RMSNorm
 from ..layers.mhc import hc_head
-from .dsv4_core import Block, add_hc_head, cast_params
+from ..kvcache import plan as kv_plan
+from ..kvcache.cache import DSV4Cache
+from .trunk import Block, add_hc_head, cast_params, check_batch
 
 PREFIX = "mtp.0."
 
@@ -55,8 +57,6 @@ class NextN(Block):
         self.dtype = dtype
 
     def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int, device=None):
-        from ..attention_backend.cache import DSV4Cache
-
         return DSV4Cache(self.cfg, num_slots, max_context_len, spec_slack, dtype=self.dtype, device=device)
 
     @torch.no_grad()
@@ -64,13 +64,9 @@ class NextN(Block):
         """One draft forward over `segments` (rows as in DSV4Model.forward). `input_ids` [T]: token
         i+1 of each row; `states` [T, hc, d]: X_i. Returns (hidden [T, d] for the shared head,
         output streams [T, hc, d] for the next chained step)."""
-        from .dsv4_core import _check_batch
-
-        _check_batch(input_ids, positions, segments, cache, deferred=pending is not None)
+        check_batch(input_ids, positions, segments, cache, deferred=pending is not None)
         if plan is None and segments:
-            from ..attention_backend.plan import build_plan
-
-            plan = build_plan(segments, cache, device=input_ids.device)
+            plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         e = self.e_proj(self.enorm(embed(input_ids)))
         x = e.unsqueeze(1) + self.h_proj(self.hnorm(states.to(e.dtype)))
         out = self(x, input_ids, positions, segments, cache, pending, plan)

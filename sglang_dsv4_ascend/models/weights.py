@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import shard_files
 from ..config import DSV4Config
 from ..distributed.sharding import SKIP, shard
-from .dsv4_core import DSV4Model
+from .trunk import DSV4Model
 
 _FLOAT_OK = (torch.float32, torch.bfloat16, torch.float16)
 _QUANT_SUFFIXES = (".scale", "scale_inv", ".weight_scale", ".input_scale")

@@ -177,7 +177,7 @@ def _attend_with_sink(q, v, ok, sink, scale: float):
     softmax with the sink [1, H, 1] in the denominator. -> [t, H, D] in q's dtype.
 
     Accumulated in fp64. A batched forward pads every row's key list to the widest row of the
-    batch (attention_backend/plan.py), and in fp32 the softmax and the value sum round
+    batch (kvcache/plan.py), and in fp32 the softmax and the value sum round
     differently with a different count of masked slots: the same request gave different bits
     alone and beside a longer one (measured on the trained tiny model: a prefill beside a long
     neighbour differed in 1 of 6 cases), so a bf16 server's greedy output depended on what else

@@ -636,7 +636,7 @@ def load_w8a8_model_from_dir(path: str, dtype: torch.dtype = torch.bfloat16, dev
     """config.json + ModelSlim safetensors -> an eval-mode DSV4Model with W8A8 modules (this rank's
     part under `layout`)."""
     from ..config import DSV4Config
-    from ..models.dsv4_core import DSV4Model
+    from ..models.trunk import DSV4Model
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = DSV4Config.from_hf(json.load(f))

@@ -15,7 +15,8 @@ import logging
 import torch
 
 from .. import settings
-from ..models.dsv4_core import Segment
+from ..batch import Segment
+from ..kvcache.prefix_state import boundaries_of
 from .tree import TreeBuilder
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -150,8 +151,6 @@ class DSparkDrafter:
     def _save_states(self, segments):
         """Gather lists of the context rows of the boundaries this extend completes: per state, for
         each position its row among the new ones or its ring row (read before the injection)."""
-        from ..attention_backend.prefix_state import boundaries_of
-
         segs, off = [], 0
         for s in segments:
             segs.append((s.slot, s.start, s.length, off))

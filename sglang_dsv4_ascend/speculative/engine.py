@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.dsv4_core import Segment
+from ..batch import Segment
 from .accept import accept_batch
 from .tree import DraftTree
 

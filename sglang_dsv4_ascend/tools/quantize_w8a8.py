@@ -126,7 +126,7 @@ def calibrate(in_dir: str, layer_names: list, calib_path: str, num_calib: int, m
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    from ..models.dsv4_core import Segment
+    from ..batch import Segment
     from ..models.weights import load_model_from_dir
 
     tok_file = os.path.join(in_dir, "tokenizer.json")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..layers.mhc import hc_head
-from ..models.dsv4_core import Segment
+from ..batch import Segment
 
 
 # -- the frozen target ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ N_NEW = 8
 
 
 def _greedy(model, prompts, n):
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
 
     outs = []
     for ids in prompts:

@@ -12,7 +12,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_dsv4_ascend.attention_backend.backend import DSV4AscendBackend, segments_from_batch
 from sglang_dsv4_ascend.attention_backend.pool import DSV4TokenToKVPool
 from sglang_dsv4_ascend.config import DSV4Config
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 
 
 def fb(mode, slots, positions, seq_lens, extend_lens=None):

@@ -1,4 +1,4 @@
-"""The batched forward (attention_backend/plan.py + Attention.forward_batched, grouped MoE) equals the
+"""The batched forward (kvcache/plan.py + Attention.forward_batched, grouped MoE) equals the
 per-segment definition (Attention.forward_segments, per-expert MoE) on random batches: decode-only,
 prefill chunks crossing 4-token, 128-token and window boundaries, mixed prefill + decode, and
 speculative verify rows with deferred, partially accepted writes. Each case runs the same
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -105,7 +105,7 @@ def _neighbour_ring(plan_mod):
 
 
 def test_broken_window_rows_from_a_neighbour_are_caught(dsv4_model, monkeypatch):
-    import sglang_dsv4_ascend.attention_backend.plan as plan_mod
+    import sglang_dsv4_ascend.kvcache.plan as plan_mod
 
     model = dsv4_model("flash")
     batches, ctx = _random_schedule(1, model.cfg.vocab_size)
@@ -150,9 +150,9 @@ def test_batched_forward_has_no_host_sync(tiny_ckpt):
     import json
     import os
 
-    from sglang_dsv4_ascend.attention_backend.plan import build_plan
+    from sglang_dsv4_ascend.kvcache.plan import build_plan
     from sglang_dsv4_ascend.config import DSV4Config
-    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     with open(os.path.join(tiny_ckpt("pro"), "config.json")) as f:
         cfg = DSV4Config.from_hf(json.load(f))
@@ -174,7 +174,7 @@ def test_host_sync_counter_finds_none_in_batched_layers_and_some_in_the_definiti
     (tools/host_sync.py): zero value or shape reads inside the layers of the batched forward over a
     mixed batch (plan built outside, as the backend does); the per-segment definition, which loops
     over requests and active experts on the host, must register some (else the counter is blind)."""
-    from sglang_dsv4_ascend.attention_backend.plan import build_plan
+    from sglang_dsv4_ascend.kvcache.plan import build_plan
     from sglang_dsv4_ascend.layers.moe import MoE
     from sglang_dsv4_ascend.tools.host_sync import count_host_syncs
 
@@ -203,7 +203,7 @@ def test_host_sync_counter_finds_none_in_batched_layers_and_some_in_the_definiti
 PEAK_SCRIPT = """
 import resource, sys, time, torch
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 torch.set_num_threads(2)
 model = load_model_from_dir(sys.argv[1])
 model.attention_impl = sys.argv[2]

@@ -114,7 +114,7 @@ def tiny(tmp_path_factory):
 
 
 def _prefill_features(trunk, draft, prompt, slot, cache, ctx):
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
 
     aux = {"layer_ids": trunk.cfg.dspark_target_layer_ids}
     trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(slot, 0, len(prompt))], cache, aux=aux)
@@ -174,7 +174,7 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
                                 device=torch.device("cpu"), gamma=3, generator=torch.Generator().manual_seed(1))
     dr = DSparkDrafter(eng)
     prompt = list(range(3, 30))
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
     aux = {"layer_ids": dr.layer_ids}
     trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], cache, aux=aux)
     dr.extend([Segment(0, 0, len(prompt))], None, aux, None, [])
@@ -272,7 +272,7 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
             return real(trees, rows, sampling, gen, qs)
 
         monkeypatch.setattr(E, "accept_batch", flattened)
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
     from sglang_dsv4_ascend.speculative.accept import target_probs
     from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
     from sglang_dsv4_ascend.speculative.engine import SpecEngine

@@ -10,7 +10,7 @@ far above float noise, so different chunkings cannot flip a selection).
 import pytest
 import torch
 
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
 
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -127,7 +127,7 @@ def bf16_model():
 def _forward(m, cache, slot, seq, a, b, others=()):
     """Logits of seq[a:b] for `slot`, optionally in one batched forward with `others` (slot, seq,
     start, length) segments after it (their logits are dropped)."""
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
 
     segs, ids, pos = [Segment(slot, a, b - a)], [seq[a:b]], [torch.arange(a, b)]
     for s2, seq2, a2, n2 in others:

@@ -30,7 +30,7 @@ from sglang_dsv4_ascend.layers.compressor import Compressor
 from sglang_dsv4_ascend.layers.indexer import Indexer
 from sglang_dsv4_ascend.layers.moe import Gate
 from sglang_dsv4_ascend.layers.rope import inv_freq_for
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 
 ATOL = RTOL = 1e-4  # fp32; observed max |diff| ~5e-6 on logits of magnitude ~5
 T = 300
@@ -216,7 +216,7 @@ def _sabotage(name, model, mp):
     elif name == "no_inverse_rope_on_output":
         mp.setattr(ops, "apply_rope", _no_inverse_rope(ops.apply_rope))
     elif name == "window_one_short":
-        import sglang_dsv4_ascend.attention_backend.plan as plan_mod
+        import sglang_dsv4_ascend.kvcache.plan as plan_mod
 
         def short(segments, cache, device=None, _orig=plan_mod.build_plan):
             p = _orig(segments, cache, device)

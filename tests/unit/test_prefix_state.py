@@ -1,4 +1,4 @@
-"""Prefix states (attention_backend/prefix_state.py): a request that resumes a prefix another
+"""Prefix states (kvcache/prefix_state.py): a request that resumes a prefix another
 request computed, through shared token slots plus the state saved at the boundary, gives the
 logits and the cache state of computing the whole prompt itself (the cold oracle), for both the
 batched forward and the per-segment definition; restoring the window but not the open
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sglang_dsv4_ascend import settings
-from sglang_dsv4_ascend.attention_backend import prefix_state
-from sglang_dsv4_ascend.attention_backend.cache import DSV4Cache
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.kvcache import prefix_state
+from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
+from sglang_dsv4_ascend.batch import Segment
 
 PAGE = 128
 

@@ -12,7 +12,7 @@ from prompts import load_prompts
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir, load_sts
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
 from sglang_dsv4_ascend.tools import make_tiny_checkpoint as mk

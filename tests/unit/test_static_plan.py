@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_dsv4_ascend.attention_backend.plan import Bucket, build_plan
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.kvcache.plan import Bucket, build_plan
+from sglang_dsv4_ascend.batch import Segment
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 

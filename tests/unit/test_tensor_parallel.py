@@ -291,7 +291,7 @@ def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
 def test_bench_cache_per_rank_share():
     from sglang_dsv4_ascend.bench.cache import CONFIGS, per_rank
     from sglang_dsv4_ascend.config import DSV4Config
-    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     whole = DSV4Model(DSV4Config.from_hf(CONFIGS["flash"]), dtype=torch.bfloat16, device="meta")
     total = sum(p.numel() * p.element_size() for p in whole.parameters()) + sum(
@@ -328,7 +328,7 @@ def test_each_rank_reads_only_its_part(tiny_ckpt, dsv4_model):
     loads equals the one loaded from whole tensors."""
     from sglang_dsv4_ascend.distributed.sharding import rank_part
     from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_released_weights
-    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     path, cfg = tiny_ckpt("flash"), dsv4_model("flash").cfg
     whole = sum(t.numel() for _, t, _ in iter_checkpoint(path))
@@ -456,7 +456,7 @@ def test_each_w8a8_rank_reads_only_its_part(tmp_path, tiny_ckpt, scheme):
     its wq_b rows with their scales and its own experts by slice, never another rank's experts,
     and the model it loads equals the one cut from whole tensors."""
     from sglang_dsv4_ascend.data import prompt_path
-    from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+    from sglang_dsv4_ascend.models.trunk import DSV4Model
     from sglang_dsv4_ascend.models.weights import iter_checkpoint
     from sglang_dsv4_ascend.quantization.w8a8 import (apply_quant_description, load_w8a8_weights,
                                                        read_quant_description, w8a8_rank_part)

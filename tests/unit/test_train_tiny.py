@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
 from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
 from sglang_dsv4_ascend.models.weights import load_model_from_dir

@@ -12,9 +12,9 @@ import contextlib
 import pytest
 import torch
 
-from sglang_dsv4_ascend.attention_backend import plan as plan_mod
-from sglang_dsv4_ascend.attention_backend.cache import SegmentWrites
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.kvcache import plan as plan_mod
+from sglang_dsv4_ascend.batch import SegmentWrites
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative.tree import DraftTree
 
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -73,7 +73,7 @@ SOURCES_SCRIPT = textwrap.dedent("""
 
     # The batched forward of the tiny model with this kernel == with the reference op.
     from sglang_dsv4_ascend.models.weights import load_model_from_dir
-    from sglang_dsv4_ascend.models.dsv4_core import Segment
+    from sglang_dsv4_ascend.batch import Segment
     model = load_model_from_dir(sys.argv[1])
     def logits(op):
         ops.sparse_attention_sources = op

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_dsv4_ascend.models.dsv4_core import Segment
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
 from sglang_dsv4_ascend.quantization.w8a8 import (W8A8, W8A8Experts, W8A8Linear, W8A8MoE, W8A8_DYNAMIC,
                                                   load_w8a8_model_from_dir, quantized_linear_count)

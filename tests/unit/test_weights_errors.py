@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_dsv4_ascend.config import DSV4Config
-from sglang_dsv4_ascend.models.dsv4_core import DSV4Model
+from sglang_dsv4_ascend.models.trunk import DSV4Model
 from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_model_from_dir, load_released_weights
 
 

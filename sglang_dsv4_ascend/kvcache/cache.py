@@ -21,76 +21,20 @@ not move and later writes overwrite them. Because each ring has `spec_slack` row
 model ever needs, a verify of k <= spec_slack rows never clobbers a committed row still in use, and
 the only entries it can complete are j >= L // r, which are invalid at L.
 
-Computing new rows and storing them are separate steps (`SegmentWrites` then `write`), so a forward
-can defer its writes and store only the accepted prefix (`apply(pending, accepted)`).
+Computing new rows and storing them are separate steps (`batch.SegmentWrites` / `batch.LayerWrites`,
+then `write` / `store_layer`), so a forward can defer its writes and store only the accepted prefix
+(`apply(pending, accepted)`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..names import PAGE_SIZE
 from .prefix_state import PrefixStates, restore_state, save_states, state_lists
-
-COMPRESSOR = "compressor"  # the layer's main KV compressor (CSA or HCA)
-INDEXER = "indexer"  # the CSA lightning indexer's own compressor
-
-
-@dataclass
-class SegmentWrites:
-    """What one layer produced for one segment: rows keyed by position, entries by entry number."""
-
-    layer: int
-    slot: int
-    start: int
-    length: int
-    ratio: int
-    swa: torch.Tensor  # [length, head_dim], positions start..start+length-1
-    rows: dict = field(default_factory=dict)  # name -> (kv [length, C], gate [length, C])
-    entries: dict = field(default_factory=dict)  # name -> (first entry number j0, [m, dim])
-    seg: int = 0  # the segment's index in its forward (for `apply(..., keep=)`)
-
-    def prefix(self, n: int) -> "SegmentWrites":
-        """Keep the first n positions (the accepted ones) and the entries they complete."""
-        n = max(0, min(n, self.length))
-        entries = {}
-        for name, (j0, e) in self.entries.items():
-            complete = (self.start + n) // self.ratio  # entries j < this are complete
-            entries[name] = (j0, e[: max(0, complete - j0)])
-        rows = {k: (kv[:n], g[:n]) for k, (kv, g) in self.rows.items()}
-        return SegmentWrites(self.layer, self.slot, self.start, n, self.ratio, self.swa[:n], rows, entries, self.seg)
-
-
-@dataclass
-class LayerWrites:
-    """What one layer of a batched forward produced: rows of every query row (in plan order) and
-    the entries the forward completed (plan.RatioPlan numbering). `store` writes them through
-    the plan's host-computed lists, optionally keeping only accepted prefixes."""
-
-    layer: int
-    plan: object
-    swa: torch.Tensor  # [T, head_dim]
-    rows: dict = field(default_factory=dict)  # name -> (kv [T, C], gate [T, C])
-    entries: dict = field(default_factory=dict)  # name -> [E, dim]
-
-    def store(self, cache: "DSV4Cache", accepted: dict | None = None, keep: tuple | None = None) -> None:
-        lists = self.plan.writes(accepted, keep)
-        st = cache.layers[self.layer]
-        states = lists.states(cache)
-        if states is not None:  # read the ring before this step overwrites it
-            save_states(cache.prefix, self.layer, states, st, self.swa, self.rows)
-        st.kv[lists.swa_dst] = self.swa[lists.swa_src]
-        for name, (kv, gate) in self.rows.items():
-            src, dst = lists.rows[st.ratio]
-            ring_kv, ring_gate = st.rows[name]
-            ring_kv.view(-1, ring_kv.shape[-1])[dst] = kv[src]
-            ring_gate.view(-1, ring_gate.shape[-1])[dst] = gate[src]
-        for name, e in self.entries.items():
-            idx, dst = lists.entries[st.ratio]
-            st.entries[name][dst] = e[idx].to(st.entries[name].dtype)
-
 
 @dataclass
 class _LayerState:
@@ -250,6 +194,23 @@ class DSV4Cache:
         for name, (j0, e) in w.entries.items():
             st.entries[name][self.entry_rows(w.slot, st.ratio, j0, j0 + e.shape[0])] = e.to(self.dtype)
 
+    def store_layer(self, w: LayerWrites, accepted: dict | None = None, keep: tuple | None = None) -> None:
+        """Store one layer's batched writes through its plan's lists (`accepted` / `keep` as in `apply`)."""
+        lists = w.plan.writes(accepted, keep)
+        st = self.layers[w.layer]
+        states = lists.states(self)
+        if states is not None:  # read the ring before this step overwrites it
+            save_states(self.prefix, w.layer, states, st, w.swa, w.rows)
+        st.kv[lists.swa_dst] = w.swa[lists.swa_src]
+        for name, (kv, gate) in w.rows.items():
+            src, dst = lists.rows[st.ratio]
+            ring_kv, ring_gate = st.rows[name]
+            ring_kv.view(-1, ring_kv.shape[-1])[dst] = kv[src]
+            ring_gate.view(-1, ring_gate.shape[-1])[dst] = gate[src]
+        for name, e in w.entries.items():
+            idx, dst = lists.entries[st.ratio]
+            st.entries[name][dst] = e[idx].to(st.entries[name].dtype)
+
     def _write_ring(self, ring: torch.Tensor, slot: int, start: int, rows: torch.Tensor) -> None:
         n, size = rows.shape[0], ring.shape[1]
         keep = min(n, size)  # older rows of a long segment would be overwritten anyway
@@ -265,7 +226,7 @@ class DSV4Cache:
             raise ValueError("DSV4Cache.apply: pass `accepted` (by slot) or `keep` (by segment), not both")
         for w in pending:
             if isinstance(w, LayerWrites):
-                w.store(self, accepted, keep)
+                self.store_layer(w, accepted, keep)
             elif keep is not None:
                 if keep[w.seg]:
                     self.write(w.prefix(keep[w.seg]))

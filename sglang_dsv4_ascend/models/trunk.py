@@ -1,16 +1,20 @@
-"""DeepSeek-V4 trunk in plain PyTorch: embed -> blocks (mHC-wrapped attention + MoE) -> hc head ->
-norm -> head. Module and parameter names mirror the released checkpoint names (`embed.weight`,
-`layers.N.attn.wq_a.weight`, `layers.N.hc_attn_fn`, `layers.N.ffn.experts.E.w1.weight`, ...).
+"""The DeepSeek-V4 trunk, the model itself, in plain PyTorch with no SGLang import: embed -> blocks
+(mHC-wrapped attention + MoE) -> hc head -> norm -> head. Module and parameter names mirror the
+released checkpoint names (`embed.weight`, `layers.N.attn.wq_a.weight`, `layers.N.hc_attn_fn`,
+`layers.N.ffn.experts.E.w1.weight`, ...).
 
-A forward takes the tokens of several requests concatenated; each request is a `Segment` telling its
-cache slot, how many of its tokens the cache already holds (`start`) and how many are new.
-Full prefill (start=0), chunked prefill, decode (length 1), speculative verify and mixtures of them
-all go through the same path.
+This is the trunk that the tests, the benchmarks, the drafts (nextn.py, dspark.py) and the
+speculative engine run in process; models/deepseek_v4.py is the SGLang adapter that wraps it
+(`DeepseekV4ForCausalLM`, SGLang's model class: the backend's segments in, SGLang's logits out).
+
+A forward takes the tokens of several requests concatenated; each request is a `batch.Segment`
+telling its cache slot, how many of its tokens the cache already holds (`start`) and how many are
+new. Full prefill (start=0), chunked prefill, decode (length 1), speculative verify and mixtures of
+them all go through the same path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,8 @@ from torch import nn
 
 from .. import settings
 from ..config import DSV4Config
+from ..kvcache import plan as kv_plan
+from ..kvcache.cache import DSV4Cache
 from ..distributed.dp_exchange import DPExchange
 from ..distributed.layout import Layout
 from ..layers import RMSNorm
@@ -32,16 +38,6 @@ from ..layers.vocab_parallel import VocabParallelEmbedding, head_logits
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                   "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias",
                   "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight")
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One request's new tokens in a forward: cache `slot`, `start` = position of its first new token
-    (= tokens already in its cache, the committed length), `length` = number of new tokens."""
-
-    slot: int
-    start: int
-    length: int
 
 
 def add_hc_head(module: nn.Module, cfg: DSV4Config, device=None) -> None:
@@ -110,8 +106,6 @@ class DSV4Model(nn.Module):
         self.attention_impl = settings.ATTENTION.get()  # batched | segments (the per-segment definition)
 
     def make_cache(self, num_slots: int, max_context_len: int, spec_slack: int = 0, device=None):
-        from ..attention_backend.cache import DSV4Cache
-
         return DSV4Cache(self.cfg, num_slots, max_context_len, spec_slack, dtype=self.dtype, device=device)
 
     @torch.no_grad()
@@ -125,19 +119,17 @@ class DSV4Model(nn.Module):
         `aux`: if a dict, receives "streams" [T, hc_mult, d] (pre-head mHC streams, for NextN) and
         "layer_streams" ({layer id: its output streams} for the ids in aux["layer_ids"], DSpark's
         target features; only those are kept).
-        `plan`: the batched path's geometry (attention_backend.plan.build_plan; built here from
+        `plan`: the batched path's geometry (kvcache/plan.py build_plan; built here from
         the segments when absent). With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments).
         `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
         tokens too (distributed/dp_exchange.py; built here from the layout when not given); this
         forward may then have no rows at all."""
-        _check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
+        check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
                      deferred=pending is not None)
         if plan is None and self.attention_impl == "batched":
-            from ..attention_backend.plan import build_plan
-
-            plan = build_plan(segments, cache, device=input_ids.device)
-        # The request boundary refuses such ids (request_guard); this is the last line, without a
+            plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
+        # The request boundary refuses such ids (integration/request_guard.py); this is the last line, without a
         # host sync: an error here instead of an out-of-bounds gather (on CPU a RuntimeError
         # naming the range; on an accelerator a device-side assertion).
         torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
@@ -165,7 +157,7 @@ class DSV4Model(nn.Module):
         return head_logits(self.head, hidden, self.layout, self.cfg.vocab_size, self.fp32_head)
 
 
-def _check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:
+def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:
     """`padded_to`: the rows of a static (bucketed) plan: input_ids/positions hold the segments'
     tokens first, then padding rows (any ids in range, positions ignored)."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
