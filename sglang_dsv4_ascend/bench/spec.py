@@ -54,11 +54,12 @@ import sys
 import tempfile
 import threading
 import time
-import types
 
 import torch
 
 from .. import settings
+from . import spec_dspark
+from .spec_common import InProcess, drafter_factory, log, mean, prompt_ids, replay_file, rounded
 
 # name -> (topk, num_steps, num_draft_tokens); None = no speculation
 CONFIGS = {
@@ -91,147 +92,9 @@ SERVER_METRICS = {
 ALGOS = ("nextn", "dspark")
 
 
-def _log(msg: str) -> None:
-    print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
-
-
-def _prompt_ids(ckpt: str, n: int, prompt_len: int) -> list:
-    """`n` prompts of exactly `prompt_len` tokens from the packaged sets, round-robin."""
-    from transformers import AutoTokenizer
-
-    from ..data import PROMPT_SETS, load_prompts
-
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    sets = [load_prompts(name, max_chars=None) for name in PROMPT_SETS]
-    out = []
-    for i in range(max(len(s) for s in sets)):
-        for s in sets:
-            if i < len(s):
-                ids = tok(s[i])["input_ids"]
-                if len(ids) >= prompt_len:
-                    out.append(list(ids[:prompt_len]))
-                    if len(out) == n:
-                        return out
-    raise ValueError(f"--prompt-len {prompt_len}: only {len(out)} packaged prompts are that long, {n} needed")
-
-
-def _mean(xs):
-    return sum(xs) / len(xs) if xs else None
-
-
-def _r(x, nd=3):
-    return None if x is None else round(x, nd)
-
-
 def _depth_rates(depths, steps: int) -> list:
     """For k = 1..steps: the fraction of request-rounds whose accepted path reached depth >= k."""
     return [round(sum(d >= k for d in depths) / len(depths), 4) for k in range(1, steps + 1)]
-
-
-class InProcess:
-    """The model, its NextN block and the engine on this process's CPU."""
-
-    def __init__(self, ckpt: str):
-        from ..models.nextn import load_nextn_from_dir
-        from ..models.weights import load_model_from_dir
-
-        self.trunk = load_model_from_dir(ckpt)
-        self.nextn = load_nextn_from_dir(ckpt, self.trunk.cfg)
-        self.model = types.SimpleNamespace(model=self.trunk, nextn=self.nextn, cfg=self.trunk.cfg)
-
-    @torch.no_grad()
-    def _prefill(self, cache, prompts):
-        from ..batch import Segment
-
-        segs, off, last = [], 0, []
-        for b, p in enumerate(prompts):
-            segs.append(Segment(b, 0, len(p)))
-            off += len(p)
-            last.append(off - 1)
-        ids = torch.tensor([t for p in prompts for t in p])
-        pos = torch.cat([torch.arange(len(p)) for p in prompts])
-        aux = {}
-        h = self.trunk(ids, pos, segs, cache, aux=aux)
-        first = self.trunk.compute_logits(h[torch.tensor(last)]).argmax(-1).tolist()
-        return segs, last, first, aux
-
-    @torch.no_grad()
-    def nospec(self, prompts, new_tokens: int, total: int, max_len: int) -> dict:
-        """Greedy decode of `total` tokens per request; timed over the first `new_tokens`."""
-        from ..batch import Segment
-
-        B = len(prompts)
-        cache = self.trunk.make_cache(B, max_len)
-        _, _, first, _ = self._prefill(cache, prompts)
-        outs = [[t] for t in first]
-        lens = [len(p) for p in prompts]
-        decode_s = 0.0
-        t0 = time.perf_counter()
-        for step in range(1, total):
-            ids = torch.tensor([o[-1] for o in outs])
-            pos = torch.tensor(lens)
-            h = self.trunk(ids, pos, [Segment(b, lens[b], 1) for b in range(B)], cache)
-            nxt = self.trunk.compute_logits(h).argmax(-1).tolist()
-            for b in range(B):
-                outs[b].append(nxt[b])
-                lens[b] += 1
-            if step == new_tokens - 1:
-                decode_s = time.perf_counter() - t0
-        return {"outputs": outs, "decode_s": decode_s, "steps": new_tokens - 1}
-
-    @torch.no_grad()
-    def spec(self, prompts, shape, drafter_factory, new_tokens: int, max_len: int) -> dict:
-        from ..speculative.engine import NextNEngine
-
-        topk, steps, ndraft = shape
-        B = len(prompts)
-        cache = self.trunk.make_cache(B, max_len, ndraft)
-        eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
-        segs, last, first, aux = self._prefill(cache, prompts)
-        shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
-        eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last)))
-        outs = [[t] for t in first]
-        lens = [len(p) for p in prompts]
-        accept, depths, verified, rows = [], [], [], []
-        from ..speculative.engine import STAGES
-
-        timings = dict.fromkeys(STAGES, 0.0)
-        rounds = 0
-        active = [b for b in range(B) if len(outs[b]) < new_tokens]
-        t0 = time.perf_counter()
-        while active:
-            r = eng.round(active, [lens[b] for b in active], [outs[b][-1] for b in active], None,
-                          [prompts[b] + outs[b] for b in active])
-            rounds += 1
-            for k in timings:
-                timings[k] += r.timings[k]
-            for b, em, n, path, tree in zip(active, r.emitted, r.accept_lens, r.paths, r.trees):
-                outs[b] += em
-                lens[b] += n
-                accept.append(n)
-                depths.append(len(path) - 1)
-                verified.append(tree.n)
-                dep = tree.depth()
-                rows.append(sum(dep[leaf] + 1 for leaf in tree.leaves()))
-            active = [b for b in active if len(outs[b]) < new_tokens]
-        decode_s = time.perf_counter() - t0
-        return {"outputs": outs, "decode_s": decode_s, "rounds": rounds, "accept": accept, "depths": depths,
-                "verified": verified, "rows": rows, "timings": timings}
-
-
-def _replay_file(d: str, prompts, refs, tag: str) -> str:
-    path = os.path.join(d, f"replay-{tag}.json")
-    with open(path, "w") as f:
-        json.dump({"sequences": [p + o for p, o in zip(prompts, refs)], "mode": "full"}, f)
-    return path
-
-
-def _drafter_factory(name: str, replay_path: str | None):
-    from ..speculative.drafters import NextNDrafter, ReplayDrafter
-
-    if name == "nextn":
-        return NextNDrafter
-    return lambda e: ReplayDrafter(e, replay_path)
 
 
 def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int) -> list:
@@ -239,13 +102,13 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
     extra = max([CONFIGS[c][1] for c in spec_cfgs], default=0)
     max_len = prompt_len + new_tokens + extra + 2
     ip = InProcess(ckpt)
-    all_prompts = _prompt_ids(ckpt, max(batches), prompt_len)
+    all_prompts = prompt_ids(ckpt, max(batches), prompt_len)
     # warm-up (untimed): the first forwards of a shape pay one-time costs (TorchScript profiling)
     for B in batches:
         ip.nospec(all_prompts[:B], 3, 3, max_len)
         for c in spec_cfgs:
-            ip.spec(all_prompts[:B], CONFIGS[c], _drafter_factory("nextn", None), 3, max_len)
-    _log(f"warm-up done ({', '.join(configs)} at batch {batches})")
+            ip.spec(all_prompts[:B], CONFIGS[c], drafter_factory("nextn", None), 3, max_len)
+    log(f"warm-up done ({', '.join(configs)} at batch {batches})")
     results = []
     for B in batches:
         prompts = all_prompts[:B]
@@ -254,27 +117,27 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
         base_tok = B * base["steps"]
         base_tps = base_tok / base["decode_s"]
         results.append({"config": "nospec", "drafter": None, "batch": B, "decode_tokens": base_tok,
-                        "decode_s": _r(base["decode_s"], 4), "tok_s": _r(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
-        _log(f"batch {B} nospec: {base_tps:.1f} tok/s")
-        replay = _replay_file(workdir, prompts, refs, f"b{B}")
+                        "decode_s": rounded(base["decode_s"], 4), "tok_s": rounded(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
+        log(f"batch {B} nospec: {base_tps:.1f} tok/s")
+        replay = replay_file(workdir, prompts, refs, f"b{B}")
         for c in spec_cfgs:
             topk, steps, ndraft = CONFIGS[c]
             for dr in drafters:
-                s = ip.spec(prompts, CONFIGS[c], _drafter_factory(dr, replay), new_tokens, max_len)
+                s = ip.spec(prompts, CONFIGS[c], drafter_factory(dr, replay), new_tokens, max_len)
                 tps = base_tok / s["decode_s"]
                 lossless = all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))
                 n = s["rounds"]
                 row = {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
                        "rounds": n, "request_rounds": len(s["accept"]),
-                       "mean_accept_length": _r(_mean(s["accept"]), 4),
+                       "mean_accept_length": rounded(mean(s["accept"]), 4),
                        "accept_rate_by_depth": _depth_rates(s["depths"], steps),
-                       "verified_tokens_per_round": _r(_mean(s["verified"]), 4),
-                       "target_rows_per_round": _r(_mean(s["rows"]), 4),
-                       **{f"{k}_ms_per_round": _r(v * 1e3 / n, 3) for k, v in s["timings"].items()},
-                       "decode_tokens": base_tok, "decode_s": _r(s["decode_s"], 4), "tok_s": _r(tps, 1),
-                       "tok_s_ratio_to_nospec": _r(tps / base_tps, 3), "lossless": lossless}
+                       "verified_tokens_per_round": rounded(mean(s["verified"]), 4),
+                       "target_rows_per_round": rounded(mean(s["rows"]), 4),
+                       **{f"{k}_ms_per_round": rounded(v * 1e3 / n, 3) for k, v in s["timings"].items()},
+                       "decode_tokens": base_tok, "decode_s": rounded(s["decode_s"], 4), "tok_s": rounded(tps, 1),
+                       "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3), "lossless": lossless}
                 results.append(row)
-                _log(f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
+                log(f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
                      f"(x{row['tok_s_ratio_to_nospec']}), lossless {lossless}")
     return results
 
@@ -312,13 +175,13 @@ def _server_row(c, dr, B, shape, startup, outs, wall, base) -> dict:
             hist[min(k, steps)] += v
     n = sum(hist)
     return {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
-            "startup_s": _r(startup, 1), "spec_verify_ct": verify_ct,
-            "spec_accept_length": _r(tokens / verify_ct, 4) if verify_ct else None,
+            "startup_s": rounded(startup, 1), "spec_verify_ct": verify_ct,
+            "spec_accept_length": rounded(tokens / verify_ct, 4) if verify_ct else None,
             "spec_correct_drafts_histogram": hist,
-            "mean_accept_length": _r(1 + sum(k * v for k, v in enumerate(hist)) / n, 4) if n else None,
+            "mean_accept_length": rounded(1 + sum(k * v for k, v in enumerate(hist)) / n, 4) if n else None,
             "accept_rate_by_depth": [round(sum(hist[k:]) / n, 4) for k in range(1, steps + 1)] if n else None,
-            "completion_tokens": tokens, "wall_s": _r(wall, 4), "tok_s": _r(tokens / wall, 1),
-            "tok_s_ratio_to_nospec": _r(tokens / wall / base["tok_s"], 3),
+            "completion_tokens": tokens, "wall_s": rounded(wall, 4), "tok_s": rounded(tokens / wall, 1),
+            "tok_s_ratio_to_nospec": rounded(tokens / wall / base["tok_s"], 3),
             "lossless": all(o["output_ids"] == ref for o, ref in zip(outs, base["outputs"]))}
 
 
@@ -327,7 +190,7 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
 
     spec_cfgs = [c for c in configs if CONFIGS[c] is not None]
     extra = max([CONFIGS[c][1] for c in spec_cfgs], default=0)
-    all_prompts = _prompt_ids(ckpt, max(batches), prompt_len)
+    all_prompts = prompt_ids(ckpt, max(batches), prompt_len)
     common = ("--max-total-tokens", "32768")
 
     def serve(args, env=None):
@@ -352,14 +215,14 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
             base[B] = {"outputs": [o["output_ids"] for o in outs], "tok_s": tokens / wall}
             ref_outs, _ = _server_batch(srv, prompts, new_tokens + extra)  # untimed: replay references
             refs[B] = [o["output_ids"] for o in ref_outs]
-            results.append({"config": "nospec", "drafter": None, "batch": B, "startup_s": _r(startup, 1),
-                            "completion_tokens": tokens, "wall_s": _r(wall, 4), "tok_s": _r(tokens / wall, 1),
+            results.append({"config": "nospec", "drafter": None, "batch": B, "startup_s": rounded(startup, 1),
+                            "completion_tokens": tokens, "wall_s": rounded(wall, 4), "tok_s": rounded(tokens / wall, 1),
                             "tok_s_ratio_to_nospec": 1.0})
-            _log(f"server batch {B} nospec: {tokens / wall:.1f} tok/s")
+            log(f"server batch {B} nospec: {tokens / wall:.1f} tok/s")
     finally:
         srv.stop()
     # one file for every batch size (the drafter picks the reference whose prefix the history is)
-    replay = _replay_file(workdir, [p for B in batches for p in all_prompts[:B]],
+    replay = replay_file(workdir, [p for B in batches for p in all_prompts[:B]],
                           [o for B in batches for o in refs[B]], "server")
     for c in spec_cfgs:
         topk, steps, ndraft = CONFIGS[c]
@@ -375,7 +238,7 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
                     outs, wall = _server_batch(srv, all_prompts[:B], new_tokens)
                     results.append(_server_row(c, dr, B, CONFIGS[c], startup, outs, wall, base[B]))
                     row = results[-1]
-                    _log(f"server batch {B} {c} {dr}: accept {row['spec_accept_length']}, {row['tok_s']} tok/s "
+                    log(f"server batch {B} {c} {dr}: accept {row['spec_accept_length']}, {row['tok_s']} tok/s "
                          f"(x{row['tok_s_ratio_to_nospec']}), lossless {row['lossless']}")
             finally:
                 srv.stop()
@@ -475,7 +338,6 @@ def main(argv=None) -> int:
 
 
 def _main_dspark(ap, a) -> int:
-    from . import spec_dspark
 
     if a.server:
         ap.error("--algo dspark runs in process only (the server path is tests/e2e/test_dspark_serving.py)")

@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from .spec import InProcess, _drafter_factory, _log, _mean, _prompt_ids, _r, _replay_file
+from .spec_common import InProcess, drafter_factory, log, mean, prompt_ids, replay_file, rounded
 
 VERIFY = ("static", "adaptive")
 DRAFTERS = ("dspark", "replay")
@@ -108,14 +108,14 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
     same_trunk = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     gamma = gamma or ds.trunk.cfg.dspark_block_size
     max_len = prompt_len + new_tokens + gamma + 2
-    prompts_all = _prompt_ids(ds_ckpt, max(batches), prompt_len)
+    prompts_all = prompt_ids(ds_ckpt, max(batches), prompt_len)
     cost = measure_cost(ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches),
                         budget_s=10.0)
-    _log(f"cost model: t = {cost.c0:.4g} + {cost.c_req:.4g}*R + {cost.c_tok:.4g}*rows s ({cost.source})")
+    log(f"cost model: t = {cost.c0:.4g} + {cost.c_req:.4g}*R + {cost.c_tok:.4g}*rows s ({cost.source})")
     for B in batches:  # warm-up, untimed (TorchScript profiles its first runs)
         ds.spec(prompts_all[:B], gamma, "static", None, DSparkDrafter, 3, max_len)
-        nx.spec(prompts_all[:B], (1, gamma, gamma + 1), _drafter_factory("nextn", None), 3, max_len)
-    _log("warm-up done")
+        nx.spec(prompts_all[:B], (1, gamma, gamma + 1), drafter_factory("nextn", None), 3, max_len)
+    log("warm-up done")
     results = []
     for B in batches:
         prompts = prompts_all[:B]
@@ -123,14 +123,14 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
         refs = base["outputs"]
         tok = B * base["steps"]
         base_tps = tok / base["decode_s"]
-        results.append({"config": "nospec", "batch": B, "tok_s": _r(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
-        n = nx.spec(prompts, (1, gamma, gamma + 1), _drafter_factory("nextn", None), new_tokens, max_len)
+        results.append({"config": "nospec", "batch": B, "tok_s": rounded(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
+        n = nx.spec(prompts, (1, gamma, gamma + 1), drafter_factory("nextn", None), new_tokens, max_len)
         nx_tps = tok / n["decode_s"]
         results.append({"config": f"nextn_chain{gamma}", "drafter": "nextn", "batch": B,
-                        "mean_accept_length": _r(_mean(n["accept"]), 4), "tok_s": _r(nx_tps, 1),
-                        "tok_s_ratio_to_nospec": _r(nx_tps / base_tps, 3),
+                        "mean_accept_length": rounded(mean(n["accept"]), 4), "tok_s": rounded(nx_tps, 1),
+                        "tok_s_ratio_to_nospec": rounded(nx_tps / base_tps, 3),
                         "lossless": all(o == ref[: len(o)] for o, ref in zip(n["outputs"], refs))})
-        replay = _replay_file(workdir, prompts, refs, f"ds-b{B}")
+        replay = replay_file(workdir, prompts, refs, f"ds-b{B}")
         for mode in verify:
             for dr in drafters:
                 factory = DSparkDrafter if dr == "dspark" else (lambda e, p=replay: ReplayDrafter(e, p))
@@ -138,20 +138,20 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
                 tps = tok / s["decode_s"]
                 rr = s["rounds"]
                 row = {"config": f"dspark_{mode}", "drafter": dr, "batch": B, "gamma": gamma, "rounds": rr,
-                       "mean_accept_length": _r(_mean(s["accept"]), 4),
-                       "committed_per_target_row": _r(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
-                       "target_rows_per_round": _r(_mean(s["batch_rows"]), 3),
-                       "drafted_per_request_round": _r(_mean(s["drafted"]), 3),
-                       "verified_drafts_per_request_round": _r(_mean(s["verified"]), 3),
-                       **{f"{k}_ms_per_round": _r(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
-                       "tok_s": _r(tps, 1), "tok_s_ratio_to_nospec": _r(tps / base_tps, 3),
-                       "tok_s_ratio_to_nextn": _r(tps / nx_tps, 3),
+                       "mean_accept_length": rounded(mean(s["accept"]), 4),
+                       "committed_per_target_row": rounded(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
+                       "target_rows_per_round": rounded(mean(s["batch_rows"]), 3),
+                       "drafted_per_request_round": rounded(mean(s["drafted"]), 3),
+                       "verified_drafts_per_request_round": rounded(mean(s["verified"]), 3),
+                       **{f"{k}_ms_per_round": rounded(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
+                       "tok_s": rounded(tps, 1), "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
+                       "tok_s_ratio_to_nextn": rounded(tps / nx_tps, 3),
                        "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))}
                 if mode == "adaptive" and s["predicted_s"] > 0:
-                    row["planner_predicted_verify_tok_s"] = _r(s["expected"] / s["predicted_s"], 1)
-                    row["measured_verify_tok_s"] = _r(sum(s["accept"]) / s["timings"]["verify"], 1)
+                    row["planner_predicted_verify_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
+                    row["measured_verify_tok_s"] = rounded(sum(s["accept"]) / s["timings"]["verify"], 1)
                 results.append(row)
-                _log(f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
+                log(f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
                      f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
                      f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}")
     return {"gamma": gamma, "same_trunk": same_trunk, "cost_model": cost.to_json(), "results": results}
