@@ -14,15 +14,17 @@ from torch import nn
 from ..batch import DSV4ForwardMetadata
 from ..checkpoint import read_index
 from ..config import DSV4Config
-from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
 from ..distributed.layout import Layout, log_layout
+from ..distributed.sharding import rank_part
+from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
+from ..quantization.w8a8 import apply_quant_description, load_w8a8_weights, w8a8_rank_part
 from ..layers.vocab_parallel import GatheredHead
 from .trunk import DSV4Model
 from .nextn import PREFIX as NEXTN_PREFIX
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
 from .dspark import PREFIX as DSPARK_PREFIX
 from .nextn import NextN
-from .weights import load_released_weights
+from .weights import iter_checkpoint, load_released_weights
 
 
 def _weight_files(model_path) -> dict | str | None:
@@ -50,8 +52,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: --quantization {quant_config.get_name()!r} is "
                                  "not supported; use a bf16 checkpoint or a ModelSlim W8A8 one with "
                                  f"--quantization {QUANT_METHOD}")
-            from ..quantization.w8a8 import apply_quant_description
-
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
         # compute_logits returns the whole vocabulary on every rank (a vocab-parallel head gathers
@@ -108,10 +108,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         if presliced:
             # Each rank reads only its part of the checkpoint (float or W8A8); SGLang's iterator,
             # which would read every tensor whole on every rank, is left unread.
-            from ..distributed.sharding import rank_part
-            from ..quantization.w8a8 import w8a8_rank_part
-            from .weights import iter_checkpoint
-
             part = (rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
                     if self.quant_description is None else w8a8_rank_part(self.model))
             weights = iter_checkpoint(path, skip=None, part=part)
@@ -123,8 +119,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.quant_description is None:
             load_released_weights(self.model, weights, source=source, presliced=presliced)
         else:
-            from ..quantization.w8a8 import load_w8a8_weights
-
             load_w8a8_weights(self.model, weights, self.quant_description, source=source, presliced=presliced)
         if self.nextn is not None:
             load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)

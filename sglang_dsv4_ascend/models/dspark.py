@@ -38,6 +38,7 @@ from ..layers import RMSNorm
 from ..layers.mhc import hc_head
 from .trunk import Block, add_hc_head, cast_params
 from .nextn import draft_config
+from .weights import iter_checkpoint, load_released_weights
 
 N_STAGES = 3
 
@@ -249,15 +250,11 @@ CONFIDENCE_BIAS = "mtp.2.confidence_head.proj.bias"  # absent in the released V4
 
 def load_dspark(draft: DSparkDraft, weights, source=None) -> None:
     """Load `mtp.*` (name, tensor[, file]) items into `draft` by their released names."""
-    from .weights import load_released_weights
-
     load_released_weights(draft.mtp, weights, source=source, prefix=PREFIX)
 
 
 def load_dspark_from_dir(path: str, cfg: DSV4Config, dtype=torch.float32, device=None) -> DSparkDraft:
     """The `mtp.0..2` DSpark draft of a checkpoint dir (tools, tests, in-process benchmarks)."""
-    from .weights import iter_checkpoint
-
     items = list(iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)))
     draft = DSparkDraft(cfg, dtype=dtype, device=device, confidence_bias=any(it[0] == CONFIDENCE_BIAS for it in items))
     load_dspark(draft, items, source=path)

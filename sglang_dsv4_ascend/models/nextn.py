@@ -27,6 +27,7 @@ from ..layers.mhc import hc_head
 from ..kvcache import plan as kv_plan
 from ..kvcache.cache import DSV4Cache
 from .trunk import Block, add_hc_head, cast_params, check_batch
+from .weights import iter_checkpoint, load_released_weights
 
 PREFIX = "mtp.0."
 
@@ -76,8 +77,6 @@ class NextN(Block):
 
 def load_nextn_from_dir(path: str, cfg: DSV4Config, dtype=torch.float32, device=None) -> NextN:
     """The `mtp.0.*` NextN block of a checkpoint dir (tools, tests, in-process benchmarks)."""
-    from .weights import iter_checkpoint, load_released_weights
-
     block = NextN(cfg, dtype=dtype, device=device)
     load_released_weights(block, iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)), source=path,
                           prefix=PREFIX)

@@ -45,9 +45,12 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from ..checkpoint import DESCRIPTION_FILE
-from ..distributed.sharding import SKIP, _part, shard
 from .. import ops
+from ..checkpoint import DESCRIPTION_FILE
+from ..config import DSV4Config
+from ..distributed.sharding import SKIP, _part, shard
+from ..models.trunk import DSV4Model
+from ..models.weights import iter_checkpoint
 from ..ops import quant as Q
 
 W8A8, W8A8_DYNAMIC, FLOAT = "W8A8", "W8A8_DYNAMIC", "FLOAT"
@@ -623,8 +626,6 @@ def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[di
                                family: Optional[str] = None, scale_dtype=torch.float32) -> dict:
     """Swap `model`'s layers per the checkpoint's quant_model_description.json and load all its
     tensors (float ones too). Returns the plan {"dense": {...}, "moe": {...}}."""
-    from ..models.weights import iter_checkpoint
-
     desc = read_quant_description(path) if desc is None else desc
     plan = apply_quant_description(model, desc, family=family, scale_dtype=scale_dtype)
     load_w8a8_weights(model, iter_checkpoint(path), desc, source=path)
@@ -635,9 +636,6 @@ def load_w8a8_model_from_dir(path: str, dtype: torch.dtype = torch.bfloat16, dev
                              family: Optional[str] = None, scale_dtype=torch.float32, layout=None):
     """config.json + ModelSlim safetensors -> an eval-mode DSV4Model with W8A8 modules (this rank's
     part under `layout`)."""
-    from ..config import DSV4Config
-    from ..models.trunk import DSV4Model
-
     with open(os.path.join(path, "config.json")) as f:
         cfg = DSV4Config.from_hf(json.load(f))
     model = DSV4Model(cfg, dtype=dtype, device=device, layout=layout)

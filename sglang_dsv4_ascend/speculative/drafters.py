@@ -17,7 +17,9 @@ import torch
 from .. import settings
 from ..batch import Segment
 from ..kvcache.prefix_state import boundaries_of
-from .tree import TreeBuilder
+from .accept import sampled_temperature
+from .engine import Drafts
+from .tree import DraftTree, TreeBuilder
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 
@@ -198,10 +200,6 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def draft(self, slots, starts, bonus, histories=None, sampling=None):
-        from .accept import sampled_temperature
-        from .engine import Drafts
-        from .tree import DraftTree
-
         w, d, gamma = self.w, self.net, self.w.gamma
         trunk = w.model.model
         anchors = torch.tensor(bonus, dtype=torch.long, device=w.device)
@@ -307,8 +305,6 @@ class ReplayDrafter:
             trees.append(bld.finish(w.num_draft_tokens)[0])
             confs.append([0.9 if k < ok else 0.2 for k in range(w.num_steps)])
         if hasattr(w, "gamma"):  # DSpark: synthetic confidences, high where the replay is right
-            from .engine import Drafts
-
             return Drafts(trees, None, torch.tensor(confs, dtype=torch.float32))
         return trees
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import settings
+from ..batch import Segment
 
 EPS = 1e-6
 LAG = 2
@@ -180,8 +181,6 @@ def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: flo
     `budget_s` is spent. Slot 0 is read for every request: its contents do not change the cost.
     `agree(flag) -> bool`: under TP the forwards hold collectives, so every rank must stop after the
     same point: the stop is true everywhere once it is true on one rank (spec_sync.RankSync.any)."""
-    from ..batch import Segment
-
     start = max(0, min(start, cache.max_context_len - gamma - 2))
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):

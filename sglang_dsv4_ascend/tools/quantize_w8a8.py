@@ -46,7 +46,10 @@ from typing import Optional
 
 import torch
 
+from ..batch import Segment
 from ..checkpoint import DESCRIPTION_FILE, INDEX_FILE, shard_files, write_index
+from ..models.weights import load_model_from_dir
+from ..ops import quant as Q
 from ..quantization.w8a8 import FLOAT, V4_RECIPE, W8A8, W8A8_DYNAMIC
 
 _MAX_SAMPLES = 1 << 20  # activation values kept per layer for percentiles / clipping statistics
@@ -126,9 +129,6 @@ def calibrate(in_dir: str, layer_names: list, calib_path: str, num_calib: int, m
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    from ..batch import Segment
-    from ..models.weights import load_model_from_dir
-
     tok_file = os.path.join(in_dir, "tokenizer.json")
     if not os.path.exists(tok_file):
         raise FileNotFoundError(f"calibration needs the checkpoint's tokenizer: {tok_file} not found")
@@ -160,8 +160,6 @@ def calibrate(in_dir: str, layer_names: list, calib_path: str, num_calib: int, m
 
 def activation_params(st: _ActStats, symmetric: bool, percentile: float):
     """-> (input_scale fp32 [1] (bf16-representable), input_offset fp32 [1], stats dict)."""
-    from ..ops import quant as Q
-
     v = st.values()
     if percentile < 100.0:
         q = percentile / 100.0

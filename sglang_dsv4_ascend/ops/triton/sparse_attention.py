@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import source_rows
+
 BLOCK_H = 16  # tl.dot needs >= 16 rows; fewer heads are masked
 
 
@@ -134,8 +136,6 @@ def merged_indices(sources, T: int):
     """(pool A, pool B, idx [T, K] int64) for `sources` drawing from at most two pools: each
     Source's table resolved to pool rows (integer work only, no key is copied) and encoded as
     the two-pool kernel reads them (A: row, B: -row - 2, no key: -1), in source order."""
-    from ..reference import source_rows
-
     pools, parts = [], []
     for src in sources:
         if src.table.shape[-1] == 0:
