@@ -2,7 +2,8 @@
 # The test command (README, .ci/run): set up the environment if needed, then run the tests.
 #   bash scripts/test.sh           every test (what CI runs)
 #   bash scripts/test.sh --quick   the unit tests and one end-to-end smoke test (the inner loop)
-# Further arguments go to pytest (a path or -k narrows the run). Two pytest-xdist workers by
+# ruff (lint, then format --check) runs first; a finding fails the run. Further arguments go to
+# pytest (a path or -k narrows the run). Two pytest-xdist workers by
 # default (SGLANG_DSV4_TEST_WORKERS, 0 = one process): the end-to-end groups
 # (tests/e2e/conftest.py SCHEDULE) each on one worker, the unit tests on whichever is free, one
 # torch thread per worker (two workers of two OpenMP threads on two cores spin in each other's
@@ -13,6 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 bash scripts/setup_env.sh
+# Lint and format first (pyproject.toml [tool.ruff]): a finding fails the run before any test.
+echo "[test] ruff check and ruff format --check"
+.venv/bin/ruff check sglang_dsv4_ascend tests
+.venv/bin/ruff format --check sglang_dsv4_ascend tests
 select=()
 if [ "${1:-}" = "--quick" ]; then
   shift
