@@ -60,8 +60,7 @@ def tensor_names(model_dir: str) -> set:
 
 def write_index(out_dir: str, weight_map: dict, total_size: int) -> None:
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                  indent=2)
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")
 
 

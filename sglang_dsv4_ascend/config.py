@@ -118,11 +118,17 @@ def _parse_ratios(src, n_layers: int, n_draft: int):
     ratios = _get(src, "compress_ratios", None)
     if ratios is not None:  # raw config.json (or SGLang's own config class)
         want = n_layers + n_draft
-        if not isinstance(ratios, (list, tuple)) or len(ratios) != want or not all(
-                isinstance(r, int) and not isinstance(r, bool) for r in ratios):
-            raise _bad("compress_ratios", ratios,
-                       f"a list of {want} integers (num_hidden_layers={n_layers} main-layer entries, each one of "
-                       f"{VALID_RATIOS}, then num_nextn_predict_layers={n_draft} draft entries, each 0)")
+        if (
+            not isinstance(ratios, (list, tuple))
+            or len(ratios) != want
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios)
+        ):
+            raise _bad(
+                "compress_ratios",
+                ratios,
+                f"a list of {want} integers (num_hidden_layers={n_layers} main-layer entries, each one of "
+                f"{VALID_RATIOS}, then num_nextn_predict_layers={n_draft} draft entries, each 0)",
+            )
         return tuple(ratios[:n_layers]), tuple(ratios[n_layers:])
     layer_types = _get(src, "layer_types", None)
     if layer_types is None:
@@ -265,9 +271,22 @@ def _opt_int(v):
 
 
 def _validate(c: DSV4Config) -> None:
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                 "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
-                 "index_head_dim", "n_routed_experts", "moe_intermediate_size", "hc_sinkhorn_iters"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "sliding_window",
+        "index_n_heads",
+        "index_head_dim",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        "hc_sinkhorn_iters",
+    ):
         v = getattr(c, name)
         if not isinstance(v, int) or v <= 0:
             raise _bad(name, v, "a positive integer")

@@ -35,5 +35,6 @@ def register() -> None:
         print(msg, file=sys.stderr, flush=True)
         logger.error(msg)
         raise SystemExit(msg) from e
-    logger.info("sglang-dsv4-ascend registered: components=%s hooks=%s",
-                [name for name, _ in components.COMPONENTS], installed)
+    logger.info(
+        "sglang-dsv4-ascend registered: components=%s hooks=%s", [name for name, _ in components.COMPONENTS], installed
+    )

@@ -56,8 +56,9 @@ class Setting:
         if raw is None:
             return self.default if default is _DEFAULT else default
         if self.test_only and not TESTING.get():
-            raise ValueError(f"{self.name}={raw!r}: a test-only setting, refused unless {TESTING.name}=1 "
-                             "(the test suite sets it)")
+            raise ValueError(
+                f"{self.name}={raw!r}: a test-only setting, refused unless {TESTING.name}=1 (the test suite sets it)"
+            )
         return self.parse(raw)
 
     def parse(self, raw: str):
@@ -74,8 +75,13 @@ class Setting:
             except ValueError:
                 value = None
             if value is None or (self.minimum is not None and value < self.minimum):
-                expected = ("a positive integer" if self.minimum == 1 else
-                            f"an integer >= {self.minimum}" if self.minimum is not None else "an integer")
+                expected = (
+                    "a positive integer"
+                    if self.minimum == 1
+                    else f"an integer >= {self.minimum}"
+                    if self.minimum is not None
+                    else "an integer"
+                )
                 raise ValueError(f"{self.name}={raw!r}: expected {expected}")
             return value
         if self.kind == "choice":
@@ -174,8 +180,11 @@ TEST_DRAFTER = _setting(
     kind="text",
     default=None,
     shape="replay:FILE",
-    meaning="TESTS ONLY (refused unless `SGLANG_DSV4_TESTING=1`): the speculative worker proposes the continuations in FILE with errors injected where FILE "
-    "says (`speculative/drafters.py`), to drive full / partial / zero acceptance; logged as a warning",
+    meaning=(
+        "TESTS ONLY (refused unless `SGLANG_DSV4_TESTING=1`): the speculative worker proposes the continuations "
+        "in FILE with errors injected where FILE says (`speculative/drafters.py`), to drive full / partial / "
+        "zero acceptance; logged as a warning"
+    ),
     test_only=True,
 )
 PREFIX_STATES = _setting(
@@ -200,7 +209,10 @@ DEBUG_DESYNC_RANK = _setting(
     kind="int",
     default=None,
     shape="R",
-    meaning="TESTS ONLY (refused unless `SGLANG_DSV4_TESTING=1`): offset rank R's accept seed, the broken variant the sync check must catch",
+    meaning=(
+        "TESTS ONLY (refused unless `SGLANG_DSV4_TESTING=1`): offset rank R's accept seed, the broken variant "
+        "the sync check must catch"
+    ),
     minimum=0,
     test_only=True,
 )
@@ -263,7 +275,9 @@ TEST_STATS_DIR = _setting(
     kind="text",
     default=None,
     shape="DIR",
-    meaning="where the test processes leave their server-start timings for the run's summary (set by `tests/conftest.py`)",
+    meaning=(
+        "where the test processes leave their server-start timings for the run's summary (set by `tests/conftest.py`)"
+    ),
     group="harness",
 )
 

@@ -38,6 +38,7 @@ sys.addaudithook(_audit)
 
 # -- checkpoints: each written once per test process ------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """(preset, draft) -> a tiny DeepSeek-V4 checkpoint directory (random weights, seed 0), written

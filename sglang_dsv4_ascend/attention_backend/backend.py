@@ -118,8 +118,9 @@ class DSV4AscendBackend(AttentionBackend):
         raise NotImplementedError("dsv4_ascend has no graph capture yet; run with graphs disabled")
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
-        raise NotImplementedError("dsv4_ascend serves only the sglang_dsv4_ascend DeepSeek-V4 model, "
-                                  "which does not go through RadixAttention")
+        raise NotImplementedError(
+            "dsv4_ascend serves only the sglang_dsv4_ascend DeepSeek-V4 model, which does not go through RadixAttention"
+        )
 
     forward_decode = forward_extend
 

@@ -22,30 +22,65 @@ logger = logging.getLogger(__name__)
 
 
 class DSV4TokenToKVPool(KVCache):
-    def __init__(self, *, size: int, page_size: int, dtype: torch.dtype, cfg, req_to_token: torch.Tensor,
-                 spec_slack: int, device: str, enable_memory_saver: bool = False, prefix_states: bool = False):
-        super().__init__(size=size, page_size=page_size, dtype=dtype, layer_num=cfg.num_hidden_layers,
-                         device=device, enable_memory_saver=enable_memory_saver,
-                         allocation_label="DeepSeek-V4 (dsv4_ascend)")
+    def __init__(
+        self,
+        *,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        cfg,
+        req_to_token: torch.Tensor,
+        spec_slack: int,
+        device: str,
+        enable_memory_saver: bool = False,
+        prefix_states: bool = False,
+    ):
+        super().__init__(
+            size=size,
+            page_size=page_size,
+            dtype=dtype,
+            layer_num=cfg.num_hidden_layers,
+            device=device,
+            enable_memory_saver=enable_memory_saver,
+            allocation_label="DeepSeek-V4 (dsv4_ascend)",
+        )
         ratios = {r for r in cfg.compress_ratios if r}
         if any(page_size % r for r in ratios):
-            raise ValueError(f"dsv4_ascend: --page-size {page_size} must be a multiple of every compression "
-                             f"ratio {sorted(ratios)} ({ENTRY_ALIGN} serves all): compressed entries are "
-                             "addressed by the token slot of their block's first token")
+            raise ValueError(
+                f"dsv4_ascend: --page-size {page_size} must be a multiple of every compression "
+                f"ratio {sorted(ratios)} ({ENTRY_ALIGN} serves all): compressed entries are "
+                "addressed by the token slot of their block's first token"
+            )
         self.cfg = cfg
         num_slots, max_context_len = req_to_token.shape
         # Token-slot ids run up to size + page_size (SGLang's pools keep one padding page).
-        self.cache = DSV4Cache(cfg, num_slots, max_context_len - spec_slack, spec_slack, dtype=dtype,
-                               device=device, token_slots=req_to_token, num_token_slots=size + page_size)
+        self.cache = DSV4Cache(
+            cfg,
+            num_slots,
+            max_context_len - spec_slack,
+            spec_slack,
+            dtype=dtype,
+            device=device,
+            token_slots=req_to_token,
+            num_token_slots=size + page_size,
+        )
         if prefix_states:  # the radix cache is on: save states at page boundaries (kvcache/prefix_state.py)
             st = self.cache.enable_prefix_states(page=page_size).stats()
-            logger.info("dsv4_ascend prefix states: %d x %.2f MiB = %.1f MiB (set %s to change the count)",
-                        st["capacity"], st["bytes"] / st["capacity"] / 2**20, st["bytes"] / 2**20,
-                        settings.PREFIX_STATES.name)
+            logger.info(
+                "dsv4_ascend prefix states: %d x %.2f MiB = %.1f MiB (set %s to change the count)",
+                st["capacity"],
+                st["bytes"] / st["capacity"] / 2**20,
+                st["bytes"] / 2**20,
+                settings.PREFIX_STATES.name,
+            )
         nb = self.cache.nbytes()
-        logger.info("dsv4_ascend cache: %d request slots x %d tokens (+%d speculative rows), %s",
-                    num_slots, max_context_len, spec_slack,
-                    ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in nb.items()))
+        logger.info(
+            "dsv4_ascend cache: %d request slots x %d tokens (+%d speculative rows), %s",
+            num_slots,
+            max_context_len,
+            spec_slack,
+            ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in nb.items()),
+        )
         self._finalize_allocation_log(size)
 
     def get_kv_size_bytes(self):

@@ -49,8 +49,9 @@ class DSV4RadixCache(RadixCache):
         if usable == 0:
             return self._empty_match_result
         # Matching the shorter key ends the match (splitting a node if needed) exactly there.
-        return super().match_prefix(MatchPrefixParams(key=params.key[:usable], cow_mamba=params.cow_mamba,
-                                                      req=params.req))
+        return super().match_prefix(
+            MatchPrefixParams(key=params.key[:usable], cow_mamba=params.cow_mamba, req=params.req)
+        )
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
         """SGLang's insert; where the tree already held some of the request's pages, it frees the

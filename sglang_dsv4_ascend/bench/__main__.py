@@ -1,9 +1,15 @@
 import sys
 
-BENCHES = {"cache": "sglang_dsv4_ascend.bench.cache", "spec": "sglang_dsv4_ascend.bench.spec",
-           "serve": "sglang_dsv4_ascend.bench.serve", "headline": "sglang_dsv4_ascend.bench.headline",
-           "sps": "sglang_dsv4_ascend.bench.sps", "step": "sglang_dsv4_ascend.bench.step",
-           "w8a8": "sglang_dsv4_ascend.bench.w8a8", "prefix": "sglang_dsv4_ascend.bench.prefix"}
+BENCHES = {
+    "cache": "sglang_dsv4_ascend.bench.cache",
+    "spec": "sglang_dsv4_ascend.bench.spec",
+    "serve": "sglang_dsv4_ascend.bench.serve",
+    "headline": "sglang_dsv4_ascend.bench.headline",
+    "sps": "sglang_dsv4_ascend.bench.sps",
+    "step": "sglang_dsv4_ascend.bench.step",
+    "w8a8": "sglang_dsv4_ascend.bench.w8a8",
+    "prefix": "sglang_dsv4_ascend.bench.prefix",
+}
 
 
 def main(argv=None) -> int:

@@ -31,21 +31,59 @@ import torch
 
 # Published architecture fields (see docs/dsv4_reference.md §1.1, §1.3). Only what shapes
 # the caches matters here; the rest is filled so that the config validates.
-_COMMON = dict(num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, sliding_window=128,
-               index_n_heads=64, index_head_dim=128, vocab_size=129280, n_shared_experts=1,
-               num_experts_per_tok=6, num_hash_layers=3, hc_mult=4, rope_theta=10000.0,
-               compress_rope_theta=160000.0, max_position_embeddings=1048576, swiglu_limit=10.0,
-               rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                             "beta_fast": 32, "beta_slow": 1})
+_COMMON = dict(
+    num_key_value_heads=1,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    sliding_window=128,
+    index_n_heads=64,
+    index_head_dim=128,
+    vocab_size=129280,
+    n_shared_experts=1,
+    num_experts_per_tok=6,
+    num_hash_layers=3,
+    hc_mult=4,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    max_position_embeddings=1048576,
+    swiglu_limit=10.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
 CONFIGS = {
-    "flash": dict(_COMMON, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024,
-                  o_groups=8, o_lora_rank=1024, n_routed_experts=256, moe_intermediate_size=2048,
-                  index_topk=512, routed_scaling_factor=1.5,
-                  compress_ratios=[0, 0] + [4, 128] * 20 + [4] + [0]),
-    "pro": dict(_COMMON, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
-                o_groups=16, o_lora_rank=1024, n_routed_experts=384, moe_intermediate_size=3072,
-                index_topk=1024, routed_scaling_factor=2.5,
-                compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0]),
+    "flash": dict(
+        _COMMON,
+        hidden_size=4096,
+        num_hidden_layers=43,
+        num_attention_heads=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        n_routed_experts=256,
+        moe_intermediate_size=2048,
+        index_topk=512,
+        routed_scaling_factor=1.5,
+        compress_ratios=[0, 0] + [4, 128] * 20 + [4] + [0],
+    ),
+    "pro": dict(
+        _COMMON,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        n_routed_experts=384,
+        moe_intermediate_size=3072,
+        index_topk=1024,
+        routed_scaling_factor=2.5,
+        compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0],
+    ),
 }
 for _c in CONFIGS.values():
     _c["num_nextn_predict_layers"] = len(_c["compress_ratios"]) - _c["num_hidden_layers"]
@@ -55,8 +93,8 @@ MLA_LATENT = 512 + 64
 
 
 def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
-    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
     from sglang_dsv4_ascend.config import DSV4Config
+    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
     elt = torch.tensor([], dtype=dtype).element_size()
@@ -66,21 +104,26 @@ def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
         nb = cache.nbytes()
         mla = cfg.num_hidden_layers * MLA_LATENT * elt
         per_tok = nb["total"] / ctx
-        rows.append({
-            "context": ctx,
-            "dsv4_bytes_per_token": round(per_tok, 2),
-            "mla_bytes_per_token": mla,
-            "ratio_vs_mla": round(per_tok / mla, 4),
-            "components_bytes_per_token": {k: round(v / ctx, 2) for k, v in nb.items() if k != "total"},
-        })
+        rows.append(
+            {
+                "context": ctx,
+                "dsv4_bytes_per_token": round(per_tok, 2),
+                "mla_bytes_per_token": mla,
+                "ratio_vs_mla": round(per_tok / mla, 4),
+                "components_bytes_per_token": {k: round(v / ctx, 2) for k, v in nb.items() if k != "total"},
+            }
+        )
     return {
         "bench": "cache",
         "config": name,
         "dtype": str(dtype).replace("torch.", ""),
         "spec_slack": spec_slack,
         "layers": cfg.num_hidden_layers,
-        "layer_kinds": {"swa_only": cfg.compress_ratios.count(0), "csa_c4": cfg.compress_ratios.count(4),
-                        "hca_c128": cfg.compress_ratios.count(128)},
+        "layer_kinds": {
+            "swa_only": cfg.compress_ratios.count(0),
+            "csa_c4": cfg.compress_ratios.count(4),
+            "hca_c128": cfg.compress_ratios.count(128),
+        },
         "sliding_window": cfg.sliding_window,
         "baseline": f"MLA-style latent cache, {MLA_LATENT} elements per token per layer, same dtype and layers",
         "source": "DSV4Cache allocation shapes on the meta device (what the dsv4_ascend backend allocates)",
@@ -96,9 +139,9 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
     --dp-size dp --enable-dp-attention (attention TP = tp / dp). Rank 0; every rank holds the same
     amount. Traffic: bytes one rank sends per decode step in which every DP rank decodes one token
     (ring all-reduce, 2 (n - 1) / n of the buffer)."""
-    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
     from sglang_dsv4_ascend.config import DSV4Config
     from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
+    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
     from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     cfg = DSV4Config.from_hf(CONFIGS[name])
@@ -119,7 +162,12 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
         weights["w8a8"] += buf.numel() * buf.element_size()
     cache = DSV4Cache(cfg, num_slots=1, max_context_len=context, dtype=dtype, device="meta")
     per_tok = cache.nbytes()["total"] / context
-    elt, d, L, k = torch.tensor([], dtype=dtype).element_size(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts_per_tok
+    elt, d, L, k = (
+        torch.tensor([], dtype=dtype).element_size(),
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_experts_per_tok,
+    )
 
     def ring(n):
         return 2 * (n - 1) / n if n > 1 else 0.0
@@ -128,8 +176,13 @@ def per_rank(name: str, tp: int, ep: int, dtype: torch.dtype, context: int = 131
     vocab_parallel = layout.vocab_parallel(cfg.vocab_size)
     budget = DEVICE_GB * 1e9
     return {
-        "tp": tp, "ep": ep, "dp_attention": dp, "attn_tp": attn_tp, "moe_tp": tp // ep,
-        "heads_per_rank": cfg.num_attention_heads // attn_tp, "experts_per_rank": cfg.n_routed_experts // ep,
+        "tp": tp,
+        "ep": ep,
+        "dp_attention": dp,
+        "attn_tp": attn_tp,
+        "moe_tp": tp // ep,
+        "heads_per_rank": cfg.num_attention_heads // attn_tp,
+        "experts_per_rank": cfg.n_routed_experts // ep,
         "vocab_rows_per_rank": len(layout.vocab_rows(cfg.vocab_size)),
         "weights_gb": {k_: round(v / 1e9, 2) for k_, v in weights.items()},
         "cache_bytes_per_token": round(per_tok, 1),
@@ -156,8 +209,12 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-slack", type=int, default=0, help="speculative rows reserved per ring")
     ap.add_argument("--tp", type=int, default=None, help="also report one rank's share under --tp-size N")
     ap.add_argument("--ep", type=int, default=1, help="with --tp: --ep-size M (M divides N)")
-    ap.add_argument("--dp", type=int, default=1,
-                    help="with --tp: --dp-size D --enable-dp-attention (D divides N; attention TP = N / D)")
+    ap.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="with --tp: --dp-size D --enable-dp-attention (D divides N; attention TP = N / D)",
+    )
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     out = measure(a.config, dtype, a.spec_slack)

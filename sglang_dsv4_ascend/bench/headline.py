@@ -45,14 +45,31 @@ _NEXTN = ("--speculative-algorithm", "nextn", "--speculative-num-steps", "3")
 # name: (checkpoint, environment, server flags)
 METHODS = {
     "nospec": (pkg.TINY_MODEL_PATH, {}, ()),
-    "nextn_chain": (pkg.TINY_NEXTN_MODEL_PATH, {}, _NEXTN + ("--speculative-eagle-topk", "1",
-                                                             "--speculative-num-draft-tokens", "4")),
-    "nextn_tree2": (pkg.TINY_NEXTN_MODEL_PATH, {}, _NEXTN + ("--speculative-eagle-topk", "2",
-                                                             "--speculative-num-draft-tokens", "6")),
-    "nextn_tree4": (pkg.TINY_NEXTN_MODEL_PATH, {}, _NEXTN + ("--speculative-eagle-topk", "4",
-                                                             "--speculative-num-draft-tokens", "8")),
-    "dspark_static": (pkg.TINY_MODEL_PATH, {settings.DSPARK_VERIFY.name: "static"}, ("--speculative-algorithm", "dspark")),
-    "dspark_adaptive": (pkg.TINY_MODEL_PATH, {settings.DSPARK_VERIFY.name: "adaptive"}, ("--speculative-algorithm", "dspark")),
+    "nextn_chain": (
+        pkg.TINY_NEXTN_MODEL_PATH,
+        {},
+        _NEXTN + ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"),
+    ),
+    "nextn_tree2": (
+        pkg.TINY_NEXTN_MODEL_PATH,
+        {},
+        _NEXTN + ("--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"),
+    ),
+    "nextn_tree4": (
+        pkg.TINY_NEXTN_MODEL_PATH,
+        {},
+        _NEXTN + ("--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"),
+    ),
+    "dspark_static": (
+        pkg.TINY_MODEL_PATH,
+        {settings.DSPARK_VERIFY.name: "static"},
+        ("--speculative-algorithm", "dspark"),
+    ),
+    "dspark_adaptive": (
+        pkg.TINY_MODEL_PATH,
+        {settings.DSPARK_VERIFY.name: "adaptive"},
+        ("--speculative-algorithm", "dspark"),
+    ),
 }
 
 
@@ -66,26 +83,46 @@ def environment() -> dict:
             return None
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
-    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "sglang": version("sglang"),
-            "transformers": version("transformers"), "sglang_dsv4_ascend": pkg.__version__, "git_commit": commit,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "sglang": version("sglang"),
+        "transformers": version("transformers"),
+        "sglang_dsv4_ascend": pkg.__version__,
+        "git_commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def _client(url, model, max_tokens, n) -> types.SimpleNamespace:
-    return types.SimpleNamespace(url=url, model=model, max_tokens=max_tokens, temperature=0.0,
-                                 num_prompts=n, timeout=600.0)
+    return types.SimpleNamespace(
+        url=url, model=model, max_tokens=max_tokens, temperature=0.0, num_prompts=n, timeout=600.0
+    )
 
 
 def _level(url, model, prompts, c, n, max_tokens) -> dict:
     lv, _ = serve.run_level(_client(url, model, max_tokens, n), prompts, c)
     if lv["errors"]:
-        raise RuntimeError(f"{lv['errors']} of {lv['requests']} requests failed at concurrency {c}: {lv['first_error']}")
+        raise RuntimeError(
+            f"{lv['errors']} of {lv['requests']} requests failed at concurrency {c}: {lv['first_error']}"
+        )
     return lv
 
 
@@ -108,17 +145,28 @@ def run_method(name, datasets, levels, per_level, max_tokens) -> dict:
 
 
 def ratios(results: dict) -> list:
-    base = {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in results["nospec"]["levels"]} \
-        if "nospec" in results else {}
+    base = (
+        {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in results["nospec"]["levels"]}
+        if "nospec" in results
+        else {}
+    )
     rows = []
     for name, r in results.items():
         for lv in r["levels"]:
             b = base.get((lv["dataset"], lv["concurrency"]))
-            rows.append({"method": name, "dataset": lv["dataset"], "concurrency": lv["concurrency"],
-                         "output_tok_per_s": lv["output_tok_per_s"], "tpot_ms_mean": lv["tpot_ms"]["mean"],
-                         "ttft_ms_p50": lv["ttft_ms"]["p50"], "accept_length_mean": lv["accept_length_mean"],
-                         "tok_s_ratio": round(lv["output_tok_per_s"] / b, 3) if b else None,
-                         "errors": lv["errors"]})
+            rows.append(
+                {
+                    "method": name,
+                    "dataset": lv["dataset"],
+                    "concurrency": lv["concurrency"],
+                    "output_tok_per_s": lv["output_tok_per_s"],
+                    "tpot_ms_mean": lv["tpot_ms"]["mean"],
+                    "ttft_ms_p50": lv["ttft_ms"]["p50"],
+                    "accept_length_mean": lv["accept_length_mean"],
+                    "tok_s_ratio": round(lv["output_tok_per_s"] / b, 3) if b else None,
+                    "errors": lv["errors"],
+                }
+            )
     return rows
 
 
@@ -144,8 +192,12 @@ def plot(report, out_dir) -> list:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
     n = max((len(a) for a in report["acceptance_by_position"].values() if a), default=1)
     ax.set_xticks(range(1, n + 1))
-    ax.set(xlabel="draft position", ylabel="P(accepted | previous accepted)", ylim=(0, 1.02),
-           title="per-position acceptance (trained tiny DSV4, all datasets)")
+    ax.set(
+        xlabel="draft position",
+        ylabel="P(accepted | previous accepted)",
+        ylim=(0, 1.02),
+        title="per-position acceptance (trained tiny DSV4, all datasets)",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(paths[0])
@@ -176,8 +228,11 @@ def _list(kind, allowed=None):
         items = [x.strip() for x in s.split(",") if x.strip()]
         bad = [x for x in items if allowed is not None and x not in allowed]
         if not items or bad:
-            raise argparse.ArgumentTypeError(f"{s!r}: expected a comma list of {', '.join(allowed or ['positive ints'])}")
+            raise argparse.ArgumentTypeError(
+                f"{s!r}: expected a comma list of {', '.join(allowed or ['positive ints'])}"
+            )
         return [kind(x) for x in items]
+
     return conv
 
 
@@ -196,13 +251,20 @@ def main(argv=None) -> int:
     os.makedirs(a.out_dir, exist_ok=True)
     t0 = time.time()
     results = {m: run_method(m, a.datasets, a.concurrency, a.prompts_per_level, a.max_tokens) for m in a.methods}
-    report = {"bench": "headline", "environment": environment(),
-              "config": {k: v for k, v in vars(a).items() if k != "no_plot"} | {"model": "TINY_MODEL_PATH (trained)",
-                                                                              "dtype": "float32", "greedy": True},
-              "description": {"serve": serve.DESCRIPTION, "tok_s_ratio": "output tok/s / no-spec's, same dataset "
-                              "and concurrency, same run"},
-              "summary": None, "acceptance_by_position": None, "results": results,
-              "seconds": round(time.time() - t0, 1)}
+    report = {
+        "bench": "headline",
+        "environment": environment(),
+        "config": {k: v for k, v in vars(a).items() if k != "no_plot"}
+        | {"model": "TINY_MODEL_PATH (trained)", "dtype": "float32", "greedy": True},
+        "description": {
+            "serve": serve.DESCRIPTION,
+            "tok_s_ratio": "output tok/s / no-spec's, same dataset and concurrency, same run",
+        },
+        "summary": None,
+        "acceptance_by_position": None,
+        "results": results,
+        "seconds": round(time.time() - t0, 1),
+    }
     report["summary"] = ratios(results)
     report["acceptance_by_position"] = {m: pooled_acceptance(r["levels"]) for m, r in results.items() if m != "nospec"}
     if not a.no_plot:

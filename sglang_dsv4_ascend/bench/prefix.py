@@ -9,10 +9,11 @@ prefix: the first sharer and a later one. A prompt is sent with max_new_tokens =
 is its time to first token; `cached_tokens` is the server's own count of the hit (the deepest page
 boundary with a saved state). When the shared part ends inside a prompt longer than the state
 store holds, its boundary's state may be gone by the time the first sharer arrives: that one then
-hits less, asks the store to keep the branching point, and later sharers hit it (kvcache/prefix_state.py,
-`hint`). Every prompt is new to the server, so a cold run never hits by accident. Medians over --repeats, ratios to cold in the
-same run. Memory: bytes per cached token of the released Flash / Pro configs (bf16) with and
-without prefix states at the default density, next to the per-request cost without a cache.
+hits less, asks the store to keep the branching point, and later sharers hit it
+(kvcache/prefix_state.py, `hint`). Every prompt is new to the server, so a cold run never hits by
+accident. Medians over --repeats, ratios to cold in the same run. Memory: bytes per cached token of
+the released Flash / Pro configs (bf16) with and without prefix states at the default density,
+next to the per-request cost without a cache.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import time
 def memory(name: str) -> dict:
     import torch
 
+    from ..config import DSV4Config
     from ..kvcache.cache import DSV4Cache
     from ..kvcache.prefix_state import PrefixStates
-    from ..config import DSV4Config
     from ..names import PAGE_SIZE
     from .cache import CONFIGS
 
@@ -70,13 +71,19 @@ def run(model: str, lengths: list, fractions: list, repeats: int) -> dict:
 
     top = max(lengths)
     rows = []
-    with SGLangServer(model, "--max-total-tokens", str(4 * top + 4096), "--context-length", str(top + 256),
-                      startup_timeout=600) as srv:
+    with SGLangServer(
+        model, "--max-total-tokens", str(4 * top + 4096), "--context-length", str(top + 256), startup_timeout=600
+    ) as srv:
         srv.generate(ids(64), 1)  # warm up the first forward's one-time costs
         for n in lengths:
             cold = [ttft(srv, ids(n)) for _ in range(repeats)]
-            row = {"prompt_tokens": n, "cold": {"ttft_s": statistics.median(t for t, _ in cold),
-                                                "prefill_tokens": n - max(c for _, c in cold)}}
+            row = {
+                "prompt_tokens": n,
+                "cold": {
+                    "ttft_s": statistics.median(t for t, _ in cold),
+                    "prefill_tokens": n - max(c for _, c in cold),
+                },
+            }
             for f in fractions:
                 runs = {"first_sharer": [], "later_sharer": []}
                 for _ in range(repeats):
@@ -88,8 +95,12 @@ def run(model: str, lengths: list, fractions: list, repeats: int) -> dict:
                 for who, rr in runs.items():
                     t = statistics.median(x for x, _ in rr)
                     cached = min(c for _, c in rr)
-                    out[who] = {"ttft_s": t, "cached_tokens": cached, "prefill_tokens": n - cached,
-                                "ttft_ratio_to_cold": round(t / row["cold"]["ttft_s"], 3)}
+                    out[who] = {
+                        "ttft_s": t,
+                        "cached_tokens": cached,
+                        "prefill_tokens": n - cached,
+                        "ttft_ratio_to_cold": round(t / row["cold"]["ttft_s"], 3),
+                    }
                 row[f"hit_{int(f * 100)}pct"] = out
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -112,10 +123,19 @@ def main(argv=None) -> int:
         from .. import TINY_MODEL_PATH
 
         model = a.model or TINY_MODEL_PATH
-        out.update(config={"model": model, "lengths": [int(x) for x in a.lengths.split(",")],
-                           "fractions": [float(x) for x in a.fractions.split(",")], "repeats": a.repeats,
-                           "max_new_tokens": 1, "machine": platform.machine(), "cpus": __import__("os").cpu_count(),
-                           "torch": torch.__version__, "sglang": sglang.__version__})
+        out.update(
+            config={
+                "model": model,
+                "lengths": [int(x) for x in a.lengths.split(",")],
+                "fractions": [float(x) for x in a.fractions.split(",")],
+                "repeats": a.repeats,
+                "max_new_tokens": 1,
+                "machine": platform.machine(),
+                "cpus": __import__("os").cpu_count(),
+                "torch": torch.__version__,
+                "sglang": sglang.__version__,
+            }
+        )
         out.update(run(model, out["config"]["lengths"], out["config"]["fractions"], a.repeats))
     print(json.dumps(out, indent=1))
     return 0

@@ -30,22 +30,22 @@ DEFAULT_DATASET = os.path.join(PACKAGED_PROMPTS_DIR, "humaneval.jsonl")
 PCTS = (50, 90, 99)
 DESCRIPTION = {
     "tokens": "per chunk: the rise of the cumulative usage.completion_tokens that SGLang puts into every "
-              "content chunk (stream_options.continuous_usage_stats); chunks without choices or without "
-              "delta text are metadata and carry none",
+    "content chunk (stream_options.continuous_usage_stats); chunks without choices or without "
+    "delta text are metadata and carry none",
     "ttft_ms": "request sent -> first chunk carrying >= 1 token",
     "tpot_ms": "(last token chunk - first token chunk) / (output tokens - 1), per request",
     "itl_ms": "a token chunk with n tokens arriving dt after the previous token chunk contributes n samples "
-              "of dt / n (pooled over the level's requests)",
+    "of dt / n (pooled over the level's requests)",
     "accept_length": "the server's spec_accept_length (tokens verify rounds committed / verify rounds) from "
-                     "the request's last sglext.spec_tokens_details; accept_length_mean is over requests "
-                     "with at least one round",
+    "the request's last sglext.spec_tokens_details; accept_length_mean is over requests "
+    "with at least one round",
     "acceptance_per_position": "p_j = rounds with >= j correct drafts / rounds with >= j-1, from "
-                               "spec_correct_drafts_histogram (level: histograms summed over requests); "
-                               "null where no round reached position j-1",
+    "spec_correct_drafts_histogram (level: histograms summed over requests); "
+    "null where no round reached position j-1",
     "tokens_without_chunk": "usage.completion_tokens - tokens counted from chunks: tokens that reached the "
-                            "client in no content chunk. SGLang's chat stream emits no chunk for a step whose "
-                            "tokens add no text (a trailing partial UTF-8 character, a lone EOS); they cannot "
-                            "be timed",
+    "client in no content chunk. SGLang's chat stream emits no chunk for a step whose "
+    "tokens add no text (a trailing partial UTF-8 character, a lone EOS); they cannot "
+    "be timed",
     "token_counts_match_usage": "every request's chunk token count equals its final usage.completion_tokens",
     "output_tok_per_s": "sum of usage.completion_tokens (chunk counts where usage is missing) / level duration",
 }
@@ -115,8 +115,17 @@ def summary(xs) -> dict:
 def one_request(url: str, body: dict, timeout: float) -> dict:
     import requests
 
-    rec = {"ok": False, "error": None, "chunk_ms": [], "chunk_tokens": [], "output_tokens": 0,
-           "usage_completion_tokens": None, "usage_prompt_tokens": None, "cached_tokens": None, "spec": None}
+    rec = {
+        "ok": False,
+        "error": None,
+        "chunk_ms": [],
+        "chunk_tokens": [],
+        "output_tokens": 0,
+        "usage_completion_tokens": None,
+        "usage_prompt_tokens": None,
+        "cached_tokens": None,
+        "spec": None,
+    }
     t0 = time.perf_counter()
     last_tok_t, itl = None, []
     try:
@@ -161,12 +170,12 @@ def one_request(url: str, body: dict, timeout: float) -> dict:
     if rec["usage_completion_tokens"] is not None:
         rec["tokens_without_chunk"] = rec["usage_completion_tokens"] - rec["output_tokens"]
     rec["itl_ms"] = [round(x, 3) for x in itl]
-    rec["tpot_ms"] = ((last_tok_t - first_tok_t) * 1e3 / (rec["output_tokens"] - 1)
-                      if rec["output_tokens"] > 1 else None)
+    rec["tpot_ms"] = (last_tok_t - first_tok_t) * 1e3 / (rec["output_tokens"] - 1) if rec["output_tokens"] > 1 else None
     if rec["spec"]:
         rec["accept_length"] = rec["spec"].get("spec_accept_length")
-        rec["acceptance_per_position"] = acceptance(rec["spec"].get("spec_correct_drafts_histogram") or [],
-                                                    _positions(rec["spec"]))
+        rec["acceptance_per_position"] = acceptance(
+            rec["spec"].get("spec_correct_drafts_histogram") or [], _positions(rec["spec"])
+        )
     return rec
 
 
@@ -179,10 +188,19 @@ def _generated(rec) -> int:
 def run_level(args, prompts, c: int) -> tuple:
     from tqdm import tqdm
 
-    bodies = [{"model": args.model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-               "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": False,
-               "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-               "return_spec_tokens_details": True} for i in range(args.num_prompts)]
+    bodies = [
+        {
+            "model": args.model,
+            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": False,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "return_spec_tokens_details": True,
+        }
+        for i in range(args.num_prompts)
+    ]
     recs, toks = [None] * len(bodies), 0
     bar = tqdm(total=len(bodies), desc=f"concurrency {c}", unit="req", file=sys.stderr, leave=True)
     t0 = time.perf_counter()
@@ -205,8 +223,11 @@ def run_level(args, prompts, c: int) -> tuple:
         hist = [sum(x[k] for x in (hist, h) if k < len(x)) for k in range(max(len(hist), len(h)))]
         npos = max(npos, _positions(d))
     level = {
-        "concurrency": c, "requests": len(recs), "errors": len(errs),
-        "first_error": errs[0]["error"] if errs else None, "duration_s": round(dur, 3),
+        "concurrency": c,
+        "requests": len(recs),
+        "errors": len(errs),
+        "first_error": errs[0]["error"] if errs else None,
+        "duration_s": round(dur, 3),
         "output_tok_per_s": round(sum(_generated(r) for r in ok) / dur, 3),
         "request_per_s": round(len(ok) / dur, 3),
         "ttft_ms": summary([r["ttft_ms"] for r in ok if "ttft_ms" in r]),
@@ -262,6 +283,7 @@ def _positive(kind):
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{s!r} must be > 0")
         return v
+
     return conv
 
 
@@ -302,7 +324,7 @@ def load_dataset(path: str) -> list:
                 try:
                     prompts.append(json.loads(line)["turns"][0])
                 except (ValueError, KeyError, IndexError, TypeError):
-                    raise BadArgs(f"argument --dataset: {path}:{n} is not {{\"turns\": [...]}}") from None
+                    raise BadArgs(f'argument --dataset: {path}:{n} is not {{"turns": [...]}}') from None
     if not prompts:
         raise BadArgs(f"argument --dataset: {path} has no prompts")
     return prompts
@@ -338,8 +360,12 @@ def main(argv=None) -> int:
         lv, rs = run_level(args, prompts, c)
         levels.append(lv)
         recs += rs
-    report = {"bench": "serve", "description": DESCRIPTION, "config": {**vars(args), "dataset_prompts": len(prompts)},
-              "levels": levels}
+    report = {
+        "bench": "serve",
+        "description": DESCRIPTION,
+        "config": {**vars(args), "dataset_prompts": len(prompts)},
+        "levels": levels,
+    }
     if args.per_request:
         report["requests"] = recs
     if args.plot:

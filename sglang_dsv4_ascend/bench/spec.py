@@ -77,13 +77,13 @@ IN_PROCESS_METRICS = {
     "accept_rate_by_depth": "[k-1]: fraction of request-rounds whose accepted path reached depth >= k",
     "verified_tokens_per_round": "draft-tree nodes incl. the root, per request-round",
     "target_rows_per_round": "target rows the verify ran (one segment per root-to-leaf path: sum of depth + 1 "
-                             "over leaves), per request-round",
+    "over leaves), per request-round",
     "<stage>_ms_per_round": "engine round timings (draft, plan, verify, accept, commit, extend), ms per batch round",
     "lossless": "greedy spec output == no-spec output for every request",
 }
 SERVER_METRICS = {
     "spec_accept_length": "completion_tokens / spec_verify_ct, summed over the batch (counts the prefill's "
-                          "token; the server's own per-request field counts verify-round tokens only)",
+    "token; the server's own per-request field counts verify-round tokens only)",
     "spec_correct_drafts_histogram": "rounds by accepted drafts (0..steps), summed over the batch",
     "mean_accept_length": "from the histogram: 1 + mean accepted drafts per round",
     "accept_rate_by_depth": "from the histogram: [k-1] = fraction of rounds accepting >= k drafts",
@@ -116,8 +116,17 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
         refs = base["outputs"]
         base_tok = B * base["steps"]
         base_tps = base_tok / base["decode_s"]
-        results.append({"config": "nospec", "drafter": None, "batch": B, "decode_tokens": base_tok,
-                        "decode_s": rounded(base["decode_s"], 4), "tok_s": rounded(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
+        results.append(
+            {
+                "config": "nospec",
+                "drafter": None,
+                "batch": B,
+                "decode_tokens": base_tok,
+                "decode_s": rounded(base["decode_s"], 4),
+                "tok_s": rounded(base_tps, 1),
+                "tok_s_ratio_to_nospec": 1.0,
+            }
+        )
         log(f"batch {B} nospec: {base_tps:.1f} tok/s")
         replay = replay_file(workdir, prompts, refs, f"b{B}")
         for c in spec_cfgs:
@@ -127,18 +136,31 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
                 tps = base_tok / s["decode_s"]
                 lossless = all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))
                 n = s["rounds"]
-                row = {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
-                       "rounds": n, "request_rounds": len(s["accept"]),
-                       "mean_accept_length": rounded(mean(s["accept"]), 4),
-                       "accept_rate_by_depth": _depth_rates(s["depths"], steps),
-                       "verified_tokens_per_round": rounded(mean(s["verified"]), 4),
-                       "target_rows_per_round": rounded(mean(s["rows"]), 4),
-                       **{f"{k}_ms_per_round": rounded(v * 1e3 / n, 3) for k, v in s["timings"].items()},
-                       "decode_tokens": base_tok, "decode_s": rounded(s["decode_s"], 4), "tok_s": rounded(tps, 1),
-                       "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3), "lossless": lossless}
+                row = {
+                    "config": c,
+                    "drafter": dr,
+                    "batch": B,
+                    "topk": topk,
+                    "steps": steps,
+                    "draft_tokens": ndraft,
+                    "rounds": n,
+                    "request_rounds": len(s["accept"]),
+                    "mean_accept_length": rounded(mean(s["accept"]), 4),
+                    "accept_rate_by_depth": _depth_rates(s["depths"], steps),
+                    "verified_tokens_per_round": rounded(mean(s["verified"]), 4),
+                    "target_rows_per_round": rounded(mean(s["rows"]), 4),
+                    **{f"{k}_ms_per_round": rounded(v * 1e3 / n, 3) for k, v in s["timings"].items()},
+                    "decode_tokens": base_tok,
+                    "decode_s": rounded(s["decode_s"], 4),
+                    "tok_s": rounded(tps, 1),
+                    "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
+                    "lossless": lossless,
+                }
                 results.append(row)
-                log(f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
-                     f"(x{row['tok_s_ratio_to_nospec']}), lossless {lossless}")
+                log(
+                    f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
+                    f"(x{row['tok_s_ratio_to_nospec']}), lossless {lossless}"
+                )
     return results
 
 
@@ -174,15 +196,25 @@ def _server_row(c, dr, B, shape, startup, outs, wall, base) -> dict:
         for k, v in enumerate(m.get("spec_correct_drafts_histogram") or []):
             hist[min(k, steps)] += v
     n = sum(hist)
-    return {"config": c, "drafter": dr, "batch": B, "topk": topk, "steps": steps, "draft_tokens": ndraft,
-            "startup_s": rounded(startup, 1), "spec_verify_ct": verify_ct,
-            "spec_accept_length": rounded(tokens / verify_ct, 4) if verify_ct else None,
-            "spec_correct_drafts_histogram": hist,
-            "mean_accept_length": rounded(1 + sum(k * v for k, v in enumerate(hist)) / n, 4) if n else None,
-            "accept_rate_by_depth": [round(sum(hist[k:]) / n, 4) for k in range(1, steps + 1)] if n else None,
-            "completion_tokens": tokens, "wall_s": rounded(wall, 4), "tok_s": rounded(tokens / wall, 1),
-            "tok_s_ratio_to_nospec": rounded(tokens / wall / base["tok_s"], 3),
-            "lossless": all(o["output_ids"] == ref for o, ref in zip(outs, base["outputs"]))}
+    return {
+        "config": c,
+        "drafter": dr,
+        "batch": B,
+        "topk": topk,
+        "steps": steps,
+        "draft_tokens": ndraft,
+        "startup_s": rounded(startup, 1),
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": rounded(tokens / verify_ct, 4) if verify_ct else None,
+        "spec_correct_drafts_histogram": hist,
+        "mean_accept_length": rounded(1 + sum(k * v for k, v in enumerate(hist)) / n, 4) if n else None,
+        "accept_rate_by_depth": [round(sum(hist[k:]) / n, 4) for k in range(1, steps + 1)] if n else None,
+        "completion_tokens": tokens,
+        "wall_s": rounded(wall, 4),
+        "tok_s": rounded(tokens / wall, 1),
+        "tok_s_ratio_to_nospec": rounded(tokens / wall / base["tok_s"], 3),
+        "lossless": all(o["output_ids"] == ref for o, ref in zip(outs, base["outputs"])),
+    }
 
 
 def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int) -> list:
@@ -215,31 +247,54 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
             base[B] = {"outputs": [o["output_ids"] for o in outs], "tok_s": tokens / wall}
             ref_outs, _ = _server_batch(srv, prompts, new_tokens + extra)  # untimed: replay references
             refs[B] = [o["output_ids"] for o in ref_outs]
-            results.append({"config": "nospec", "drafter": None, "batch": B, "startup_s": rounded(startup, 1),
-                            "completion_tokens": tokens, "wall_s": rounded(wall, 4), "tok_s": rounded(tokens / wall, 1),
-                            "tok_s_ratio_to_nospec": 1.0})
+            results.append(
+                {
+                    "config": "nospec",
+                    "drafter": None,
+                    "batch": B,
+                    "startup_s": rounded(startup, 1),
+                    "completion_tokens": tokens,
+                    "wall_s": rounded(wall, 4),
+                    "tok_s": rounded(tokens / wall, 1),
+                    "tok_s_ratio_to_nospec": 1.0,
+                }
+            )
             log(f"server batch {B} nospec: {tokens / wall:.1f} tok/s")
     finally:
         srv.stop()
     # one file for every batch size (the drafter picks the reference whose prefix the history is)
-    replay = replay_file(workdir, [p for B in batches for p in all_prompts[:B]],
-                          [o for B in batches for o in refs[B]], "server")
+    replay = replay_file(
+        workdir, [p for B in batches for p in all_prompts[:B]], [o for B in batches for o in refs[B]], "server"
+    )
     for c in spec_cfgs:
         topk, steps, ndraft = CONFIGS[c]
-        args = ("--speculative-algorithm", "nextn", "--speculative-num-steps", str(steps),
-                "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(ndraft))
+        args = (
+            "--speculative-algorithm",
+            "nextn",
+            "--speculative-num-steps",
+            str(steps),
+            "--speculative-eagle-topk",
+            str(topk),
+            "--speculative-num-draft-tokens",
+            str(ndraft),
+        )
         for dr in drafters:
             # empty = unset (drafters.make_drafter): the NextN head even if this shell sets it
-            env = ({settings.TEST_DRAFTER.name: f"replay:{replay}", settings.TESTING.name: "1"} if dr == "replay"
-                   else {settings.TEST_DRAFTER.name: ""})
+            env = (
+                {settings.TEST_DRAFTER.name: f"replay:{replay}", settings.TESTING.name: "1"}
+                if dr == "replay"
+                else {settings.TEST_DRAFTER.name: ""}
+            )
             srv, startup = serve(args, env)
             try:
                 for B in batches:
                     outs, wall = _server_batch(srv, all_prompts[:B], new_tokens)
                     results.append(_server_row(c, dr, B, CONFIGS[c], startup, outs, wall, base[B]))
                     row = results[-1]
-                    log(f"server batch {B} {c} {dr}: accept {row['spec_accept_length']}, {row['tok_s']} tok/s "
-                         f"(x{row['tok_s_ratio_to_nospec']}), lossless {row['lossless']}")
+                    log(
+                        f"server batch {B} {c} {dr}: accept {row['spec_accept_length']}, {row['tok_s']} tok/s "
+                        f"(x{row['tok_s_ratio_to_nospec']}), lossless {row['lossless']}"
+                    )
             finally:
                 srv.stop()
     return results
@@ -258,8 +313,11 @@ def _checkpoints(a, workdir: str) -> dict:
 
 
 def _model_text(a) -> str:
-    return ("trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH, MODEL_CARD.md)" if a.model == "trained"
-            else f"random tiny DeepSeek-V4, preset {a.preset}")
+    return (
+        "trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH, MODEL_CARD.md)"
+        if a.model == "trained"
+        else f"random tiny DeepSeek-V4, preset {a.preset}"
+    )
 
 
 def _split(s: str) -> list:
@@ -269,10 +327,16 @@ def _split(s: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algo", required=True, help="speculative algorithm (only 'nextn' for now)")
-    ap.add_argument("--model", default="random", choices=["random", "trained"],
-                    help="random: a tiny checkpoint written with --preset (drafts almost never right); trained: "
-                         "the shipped trained tiny model (sglang_dsv4_ascend.TINY_MODEL_PATH, real acceptance)")
-    ap.add_argument("--preset", default="flash", choices=["flash", "pro"], help="shape of the --model random checkpoint")
+    ap.add_argument(
+        "--model",
+        default="random",
+        choices=["random", "trained"],
+        help="random: a tiny checkpoint written with --preset (drafts almost never right); trained: "
+        "the shipped trained tiny model (sglang_dsv4_ascend.TINY_MODEL_PATH, real acceptance)",
+    )
+    ap.add_argument(
+        "--preset", default="flash", choices=["flash", "pro"], help="shape of the --model random checkpoint"
+    )
     ap.add_argument("--batch", default="1,8", help="batch sizes (concurrent requests)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)} (nospec always runs)")
     ap.add_argument("--new-tokens", type=int, default=32, help="generated tokens per request")
@@ -312,20 +376,39 @@ def main(argv=None) -> int:
     result = {
         "bench": "spec",
         "config": {
-            "algo": a.algo, "mode": "server" if a.server else "in-process", "model": _model_text(a), "dtype": "float32",
-            "batch": batches, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
-            "configs": {c: (None if CONFIGS[c] is None else dict(zip(("topk", "steps", "draft_tokens"), CONFIGS[c])))
-                        for c in configs},
-            "drafters": {d: ("the checkpoint's NextN block" if d == "nextn" else
-                             "ReplayDrafter mode 'full', references = the no-spec greedy outputs") for d in drafters},
+            "algo": a.algo,
+            "mode": "server" if a.server else "in-process",
+            "model": _model_text(a),
+            "dtype": "float32",
+            "batch": batches,
+            "new_tokens": a.new_tokens,
+            "prompt_len": a.prompt_len,
+            "configs": {
+                c: (None if CONFIGS[c] is None else dict(zip(("topk", "steps", "draft_tokens"), CONFIGS[c])))
+                for c in configs
+            },
+            "drafters": {
+                d: (
+                    "the checkpoint's NextN block"
+                    if d == "nextn"
+                    else "ReplayDrafter mode 'full', references = the no-spec greedy outputs"
+                )
+                for d in drafters
+            },
             "prompts": "packaged gsm8k/humaneval/mt-bench first turns, round-robin, tokenized with the checkpoint's "
-                       "tokenizer (AutoTokenizer, BOS included), cut to prompt_len; shorter ones skipped",
+            "tokenizer (AutoTokenizer, BOS included), cut to prompt_len; shorter ones skipped",
             "sampling": "greedy, EOS ignored",
-            "tok_s": ("completion tokens / batch wall time, prefill included" if a.server else
-                      "decode tokens (new_tokens - 1 per request) / decode wall time, prefill excluded"),
+            "tok_s": (
+                "completion tokens / batch wall time, prefill included"
+                if a.server
+                else "decode tokens (new_tokens - 1 per request) / decode wall time, prefill excluded"
+            ),
             "metrics": SERVER_METRICS if a.server else IN_PROCESS_METRICS,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-            "processor": platform.processor(), "kernel_family": device.kernel_family(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "kernel_family": device.kernel_family(),
         },
     }
     with tempfile.TemporaryDirectory() as d:
@@ -355,14 +438,29 @@ def _main_dspark(ap, a) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    doc = {"bench": "spec", "config": {
-        "algo": "dspark", "mode": "in-process", "model": _model_text(a), "dtype": "float32", "batch": batches,
-        "verify": verify, "drafters": drafters, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
-        "sampling": "greedy, EOS ignored", "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.machine(), "doc": spec_dspark.__doc__.split("\n\n")[2].replace("\n", " ")}}
+    doc = {
+        "bench": "spec",
+        "config": {
+            "algo": "dspark",
+            "mode": "in-process",
+            "model": _model_text(a),
+            "dtype": "float32",
+            "batch": batches,
+            "verify": verify,
+            "drafters": drafters,
+            "new_tokens": a.new_tokens,
+            "prompt_len": a.prompt_len,
+            "sampling": "greedy, EOS ignored",
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "doc": spec_dspark.__doc__.split("\n\n")[2].replace("\n", " "),
+        },
+    }
     with tempfile.TemporaryDirectory() as d:
-        doc.update(spec_dspark.run(_checkpoints(a, d), d, batches, verify, drafters, a.gamma, a.new_tokens,
-                                   a.prompt_len))
+        doc.update(
+            spec_dspark.run(_checkpoints(a, d), d, batches, verify, drafters, a.gamma, a.new_tokens, a.prompt_len)
+        )
     doc["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(doc, indent=2))
     return 0

@@ -117,8 +117,13 @@ class InProcess:
         active = [b for b in range(B) if len(outs[b]) < new_tokens]
         t0 = time.perf_counter()
         while active:
-            r = eng.round(active, [lens[b] for b in active], [outs[b][-1] for b in active], None,
-                          [prompts[b] + outs[b] for b in active])
+            r = eng.round(
+                active,
+                [lens[b] for b in active],
+                [outs[b][-1] for b in active],
+                None,
+                [prompts[b] + outs[b] for b in active],
+            )
             rounds += 1
             for k in timings:
                 timings[k] += r.timings[k]
@@ -132,8 +137,16 @@ class InProcess:
                 rows.append(sum(dep[leaf] + 1 for leaf in tree.leaves()))
             active = [b for b in active if len(outs[b]) < new_tokens]
         decode_s = time.perf_counter() - t0
-        return {"outputs": outs, "decode_s": decode_s, "rounds": rounds, "accept": accept, "depths": depths,
-                "verified": verified, "rows": rows, "timings": timings}
+        return {
+            "outputs": outs,
+            "decode_s": decode_s,
+            "rounds": rounds,
+            "accept": accept,
+            "depths": depths,
+            "verified": verified,
+            "rows": rows,
+            "timings": timings,
+        }
 
 
 def replay_file(d: str, prompts, refs, tag: str) -> str:

@@ -25,7 +25,6 @@ seconds. Greedy, EOS ignored; timings are one run on this machine, never asserte
 
 from __future__ import annotations
 
-import os
 import time
 import types
 
@@ -54,8 +53,17 @@ class DSparkInProcess:
         B = len(prompts)
         cache = self.trunk.make_cache(B, max_len, gamma + 1)
         planner = Planner(gamma, mode, cost)
-        eng = SpecEngine(self.model, cache, drafter_factory, torch.Generator().manual_seed(0), planner=planner,
-                         gamma=gamma, topk=1, num_steps=gamma, num_draft_tokens=gamma + 1)
+        eng = SpecEngine(
+            self.model,
+            cache,
+            drafter_factory,
+            torch.Generator().manual_seed(0),
+            planner=planner,
+            gamma=gamma,
+            topk=1,
+            num_steps=gamma,
+            num_draft_tokens=gamma + 1,
+        )
         segs = [Segment(b, 0, len(p)) for b, p in enumerate(prompts)]
         ids = torch.tensor([t for p in prompts for t in p])
         pos = torch.cat([torch.arange(len(p)) for p in prompts])
@@ -73,8 +81,14 @@ class DSparkInProcess:
         active = [b for b in range(B) if len(outs[b]) < new_tokens]
         t0 = time.perf_counter()
         while active:
-            r = eng.round(active, [lens[b] for b in active], [outs[b][-1] for b in active], None,
-                          [prompts[b] + outs[b] for b in active], gens=active)
+            r = eng.round(
+                active,
+                [lens[b] for b in active],
+                [outs[b][-1] for b in active],
+                None,
+                [prompts[b] + outs[b] for b in active],
+                gens=active,
+            )
             rounds += 1
             for k in timings:
                 timings[k] += r.timings[k]
@@ -92,8 +106,9 @@ class DSparkInProcess:
         return {"outputs": outs, "decode_s": time.perf_counter() - t0, "rounds": rounds, "timings": timings, **acc}
 
 
-def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int,
-        prompt_len: int) -> dict:
+def run(
+    ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int, prompt_len: int
+) -> dict:
     """`ckpts`: {"nextn": dir, "dspark": dir}, one trunk with either draft (checked: same_trunk)."""
     from ..models.dspark import load_sts, sts_path
     from ..models.weights import load_model_from_dir
@@ -109,8 +124,9 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
     gamma = gamma or ds.trunk.cfg.dspark_block_size
     max_len = prompt_len + new_tokens + gamma + 2
     prompts_all = prompt_ids(ds_ckpt, max(batches), prompt_len)
-    cost = measure_cost(ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches),
-                        budget_s=10.0)
+    cost = measure_cost(
+        ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches), budget_s=10.0
+    )
     log(f"cost model: t = {cost.c0:.4g} + {cost.c_req:.4g}*R + {cost.c_tok:.4g}*rows s ({cost.source})")
     for B in batches:  # warm-up, untimed (TorchScript profiles its first runs)
         ds.spec(prompts_all[:B], gamma, "static", None, DSparkDrafter, 3, max_len)
@@ -126,10 +142,17 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
         results.append({"config": "nospec", "batch": B, "tok_s": rounded(base_tps, 1), "tok_s_ratio_to_nospec": 1.0})
         n = nx.spec(prompts, (1, gamma, gamma + 1), drafter_factory("nextn", None), new_tokens, max_len)
         nx_tps = tok / n["decode_s"]
-        results.append({"config": f"nextn_chain{gamma}", "drafter": "nextn", "batch": B,
-                        "mean_accept_length": rounded(mean(n["accept"]), 4), "tok_s": rounded(nx_tps, 1),
-                        "tok_s_ratio_to_nospec": rounded(nx_tps / base_tps, 3),
-                        "lossless": all(o == ref[: len(o)] for o, ref in zip(n["outputs"], refs))})
+        results.append(
+            {
+                "config": f"nextn_chain{gamma}",
+                "drafter": "nextn",
+                "batch": B,
+                "mean_accept_length": rounded(mean(n["accept"]), 4),
+                "tok_s": rounded(nx_tps, 1),
+                "tok_s_ratio_to_nospec": rounded(nx_tps / base_tps, 3),
+                "lossless": all(o == ref[: len(o)] for o, ref in zip(n["outputs"], refs)),
+            }
+        )
         replay = replay_file(workdir, prompts, refs, f"ds-b{B}")
         for mode in verify:
             for dr in drafters:
@@ -137,21 +160,30 @@ def run(ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None,
                 s = ds.spec(prompts, gamma, mode, cost if mode == "adaptive" else None, factory, new_tokens, max_len)
                 tps = tok / s["decode_s"]
                 rr = s["rounds"]
-                row = {"config": f"dspark_{mode}", "drafter": dr, "batch": B, "gamma": gamma, "rounds": rr,
-                       "mean_accept_length": rounded(mean(s["accept"]), 4),
-                       "committed_per_target_row": rounded(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
-                       "target_rows_per_round": rounded(mean(s["batch_rows"]), 3),
-                       "drafted_per_request_round": rounded(mean(s["drafted"]), 3),
-                       "verified_drafts_per_request_round": rounded(mean(s["verified"]), 3),
-                       **{f"{k}_ms_per_round": rounded(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
-                       "tok_s": rounded(tps, 1), "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
-                       "tok_s_ratio_to_nextn": rounded(tps / nx_tps, 3),
-                       "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))}
+                row = {
+                    "config": f"dspark_{mode}",
+                    "drafter": dr,
+                    "batch": B,
+                    "gamma": gamma,
+                    "rounds": rr,
+                    "mean_accept_length": rounded(mean(s["accept"]), 4),
+                    "committed_per_target_row": rounded(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
+                    "target_rows_per_round": rounded(mean(s["batch_rows"]), 3),
+                    "drafted_per_request_round": rounded(mean(s["drafted"]), 3),
+                    "verified_drafts_per_request_round": rounded(mean(s["verified"]), 3),
+                    **{f"{k}_ms_per_round": rounded(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
+                    "tok_s": rounded(tps, 1),
+                    "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
+                    "tok_s_ratio_to_nextn": rounded(tps / nx_tps, 3),
+                    "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs)),
+                }
                 if mode == "adaptive" and s["predicted_s"] > 0:
                     row["planner_predicted_verify_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
                     row["measured_verify_tok_s"] = rounded(sum(s["accept"]) / s["timings"]["verify"], 1)
                 results.append(row)
-                log(f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
-                     f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
-                     f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}")
+                log(
+                    f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
+                    f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
+                    f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}"
+                )
     return {"gamma": gamma, "same_trunk": same_trunk, "cost_model": cost.to_json(), "results": results}

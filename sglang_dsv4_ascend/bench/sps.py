@@ -40,8 +40,14 @@ def main(argv=None) -> int:
     trunk = load_model_from_dir(d)
     cache = trunk.make_cache(1, 512, a.gamma + 1)
     m = measure_cost(trunk, cache, a.gamma, a.max_requests, a.budget_s)
-    doc = {"bench": "sps", "model": d, "gamma": a.gamma, **m.to_json(),
-           "predicted_s": [round(m(r, b), 6) for r, b, _ in m.points], "source": m.source}
+    doc = {
+        "bench": "sps",
+        "model": d,
+        "gamma": a.gamma,
+        **m.to_json(),
+        "predicted_s": [round(m(r, b), 6) for r, b, _ in m.points],
+        "source": m.source,
+    }
     text = json.dumps(doc, indent=2)
     if a.out:
         with open(a.out, "w") as f:

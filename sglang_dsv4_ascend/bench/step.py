@@ -62,9 +62,9 @@ class _Timed:
 
 def run(preset: str, batches, widths, context: int, reps: int) -> dict:
     from .. import ops
+    from ..batch import Segment
     from ..kvcache.plan import build_plan
     from ..layers.moe import MoE
-    from ..batch import Segment
     from ..tools.host_sync import count_host_syncs
 
     model = _build(preset)
@@ -82,6 +82,7 @@ def run(preset: str, batches, widths, context: int, reps: int) -> dict:
         def fn():
             plan = build_plan(segs, cache) if batched else None
             return model.compute_logits(model(ids, pos, segs, cache, pending=[], plan=plan))
+
         return fn
 
     cases = [("decode", b, [Segment(s, context, 1) for s in range(b)]) for b in batches]
@@ -102,8 +103,15 @@ def run(preset: str, batches, widths, context: int, reps: int) -> dict:
                 timed.seconds = 0.0
                 ms = _median_ms(fn, reps)
                 mhc_ms = timed.seconds * 1e3 / (reps + 1)
-                rows.append({"kind": kind, "size": size, "step_ms": round(ms, 3), "mhc_ms": round(mhc_ms, 3),
-                             "mhc_share": round(mhc_ms / ms, 3)})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "size": size,
+                        "step_ms": round(ms, 3),
+                        "mhc_ms": round(mhc_ms, 3),
+                        "mhc_share": round(mhc_ms / ms, 3),
+                    }
+                )
             ops.mhc_weights = original_mhc
             with count_host_syncs(model.layers) as counts:
                 step(cases[len(batches) - 1][2], batched)()
@@ -114,8 +122,12 @@ def run(preset: str, batches, widths, context: int, reps: int) -> dict:
                     if r["kind"] == kind:
                         r["ratio_to_size_1"] = round(r["step_ms"] / base, 3)
             out[name] = rows
-            print(f"{name}: " + ", ".join(f"{r['kind']}{r['size']} {r['step_ms']:.1f}ms x{r['ratio_to_size_1']}"
-                                         for r in rows) + f"; host syncs {syncs[name]['total']}", file=sys.stderr)
+            print(
+                f"{name}: "
+                + ", ".join(f"{r['kind']}{r['size']} {r['step_ms']:.1f}ms x{r['ratio_to_size_1']}" for r in rows)
+                + f"; host syncs {syncs[name]['total']}",
+                file=sys.stderr,
+            )
     finally:
         ops.mhc_weights, MoE.forward = original_mhc, original_moe
         model.attention_impl = "batched"
@@ -143,13 +155,23 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from .. import device
+
     t0 = time.perf_counter()
     result = {
         "bench": "step",
-        "config": {"preset": a.preset, "dtype": "float32", "context": a.context, "batch": batches,
-                   "verify": widths, "reps": a.reps, "threads": torch.get_num_threads(),
-                   "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
-                   "kernel_family": device.kernel_family()},
+        "config": {
+            "preset": a.preset,
+            "dtype": "float32",
+            "context": a.context,
+            "batch": batches,
+            "verify": widths,
+            "reps": a.reps,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "kernel_family": device.kernel_family(),
+        },
         "results": run(a.preset, batches, widths, a.context, a.reps),
     }
     result["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -9,8 +9,9 @@ quantized per output channel to int8 exactly as tools/quantize_w8a8.py does):
   (per-token dynamic int8 activations, bf16 output), against the fp32 GEMM of the same bf16 values;
 * time (median of --reps, ms) of: fp32 GEMM, bf16 GEMM, and the reference W8A8 path
   (ops.quant.dynamic_quant + quant_matmul, bf16 out) with its two exact integer products: the
-  provable fp32/fp64 GEMM ('float') and torch._int_mm ('int_mm'), and 'auto' with the method its timed probe chose for this (M, K) class and why
-  (`ops.quant.int8_method`); plus whether the two exact products agree bit for bit (they must).
+  provable fp32/fp64 GEMM ('float') and torch._int_mm ('int_mm'), and 'auto' with the method its
+  timed probe chose for this (M, K) class and why (`ops.quant.int8_method`); plus whether the two
+  exact products agree bit for bit (they must).
 Families that cannot run here are listed as skipped with the reason (Triton needs a GPU: the
 interpreter is a correctness tool, far too slow to time; torch_npu needs an Ascend NPU).
 
@@ -56,8 +57,11 @@ def _cpu_info() -> dict:
                 info["model"] = line.split(":", 1)[1].strip()
                 break
         flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-        info["isa"] = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni",
-                                                      "avx512_bf16", "amx_int8", "amx_bf16"))
+        info["isa"] = sorted(
+            f
+            for f in flags
+            if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+        )
     except OSError:
         pass
     return info
@@ -83,8 +87,11 @@ def _families() -> dict:
         out["triton"] = "not timed by this CPU benchmark (GPU present: extend here)"
     else:
         out["triton"] = "skipped: no GPU; the Triton interpreter (TRITON_INTERPRET=1) is far too slow to time"
-    out["npu"] = ("skipped: torch_npu installed but this benchmark does not drive an NPU yet"
-                  if importlib.util.find_spec("torch_npu") is not None else "skipped: torch_npu not installed")
+    out["npu"] = (
+        "skipped: torch_npu installed but this benchmark does not drive an NPU yet"
+        if importlib.util.find_spec("torch_npu") is not None
+        else "skipped: torch_npu not installed"
+    )
     return out
 
 
@@ -96,7 +103,7 @@ def run(shapes, ms, reps: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     for name in shapes:
         K, N = SHAPES[name]
-        w16 = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+        w16 = (torch.randn(N, K, generator=g) * K**-0.5).bfloat16()
         w32 = w16.float()
         wq, ws, _, w_err = quantize_weight(w16)
         ws = ws[:, 0]
@@ -112,7 +119,10 @@ def run(shapes, ms, reps: int, seed: int = 0) -> dict:
 
             y8 = w8a8("float")
             row = {
-                "shape": name, "K": K, "N": N, "M": M,
+                "shape": name,
+                "K": K,
+                "N": N,
+                "M": M,
                 "rel_err": {"bf16": _rel(y16, ref), "w8a8": _rel(y8, ref), "weight_int8": w_err},
                 "time_ms": {
                     "fp32_matmul": _time(lambda: x32 @ w32.t(), reps),
@@ -132,8 +142,12 @@ def run(shapes, ms, reps: int, seed: int = 0) -> dict:
                 row["time_ms"]["w8a8_torch_int_mm"] = None
                 row["int_mm_error"] = str(e)[:200]
             results.append(row)
-            print(f"{name:>13} M={M:<4} " + " ".join(f"{k}={v:.2f}ms" for k, v in row["time_ms"].items() if v)
-                  + f" err bf16={row['rel_err']['bf16']:.2e} w8a8={row['rel_err']['w8a8']:.2e}", file=sys.stderr)
+            print(
+                f"{name:>13} M={M:<4} "
+                + " ".join(f"{k}={v:.2f}ms" for k, v in row["time_ms"].items() if v)
+                + f" err bf16={row['rel_err']['bf16']:.2e} w8a8={row['rel_err']['w8a8']:.2e}",
+                file=sys.stderr,
+            )
     return {"results": results}
 
 
@@ -159,11 +173,18 @@ def main(argv=None) -> int:
     out = {
         "bench": "w8a8",
         "config": {
-            "machine": _cpu_info(), "os": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": _cpu_info(),
+            "os": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "device_family": device.device_family(), "kernel_family": device.kernel_family(),
-            "families": _families(), "reps": reps, "M": ms, "shapes": {s: SHAPES[s] for s in shapes},
+            "device_family": device.device_family(),
+            "kernel_family": device.kernel_family(),
+            "families": _families(),
+            "reps": reps,
+            "M": ms,
+            "shapes": {s: SHAPES[s] for s in shapes},
             "inputs": "x ~ N(0,1) bf16, W ~ N(0,1/K) bf16, per-channel symmetric int8 weights, per-token int8 x",
             "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", settings.FORCE_REFERENCE.name) if k in os.environ},
         },

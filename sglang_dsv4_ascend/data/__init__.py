@@ -24,8 +24,10 @@ def prompts_dir() -> str:
 def prompt_path(name: str) -> str:
     path = os.path.join(prompts_dir(), f"{name}.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"prompt set {name!r}: {path} not found (sets: {', '.join(PROMPT_SETS)}; "
-                                f"{settings.PROMPTS_DIR.name} overrides the folder)")
+        raise FileNotFoundError(
+            f"prompt set {name!r}: {path} not found (sets: {', '.join(PROMPT_SETS)}; "
+            f"{settings.PROMPTS_DIR.name} overrides the folder)"
+        )
     return path
 
 

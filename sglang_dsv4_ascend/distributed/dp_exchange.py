@@ -35,8 +35,14 @@ import torch
 
 
 class DPExchange:
-    def __init__(self, counts: Sequence[int], dp_rank: int, real: int, writer: bool,
-                 reduce: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        counts: Sequence[int],
+        dp_rank: int,
+        real: int,
+        writer: bool,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ):
         counts = [int(c) for c in counts]
         if not 0 <= dp_rank < len(counts):
             raise ValueError(f"DP exchange: dp_rank {dp_rank} outside the {len(counts)} ranks' counts {counts}")
@@ -63,12 +69,12 @@ class DPExchange:
         """[real, ...] rows of this DP rank -> [total, ...] rows of every DP rank."""
         buf = x.new_zeros((self.total,) + tuple(x.shape[1:]))
         if self.writer:
-            buf[self.offset: self.offset + self.real] = x[: self.real]
+            buf[self.offset : self.offset + self.real] = x[: self.real]
         return self.reduce(buf)
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """[total, ...] -> this DP rank's [real, ...] rows."""
-        return y[self.offset: self.offset + self.real]
+        return y[self.offset : self.offset + self.real]
 
     def bind(self, input_ids: torch.Tensor) -> "DPExchange":
         """Gather the forward's token ids once (the hash-routed MoE layers route by them)."""

@@ -133,9 +133,11 @@ class Layout:
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
     def describe(self) -> str:
-        return (f"rank {self.global_rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
-                f"attn_tp {self.attn_tp_rank}/{self.attn_tp_size}, dp {self.dp_rank}/{self.dp_size}, "
-                f"moe_ep {self.ep_rank}/{self.ep_size}, moe_tp {self.moe_tp_rank}/{self.moe_tp_size}")
+        return (
+            f"rank {self.global_rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+            f"attn_tp {self.attn_tp_rank}/{self.attn_tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"moe_ep {self.ep_rank}/{self.ep_size}, moe_tp {self.moe_tp_rank}/{self.moe_tp_size}"
+        )
 
     @classmethod
     def from_sglang(cls) -> "Layout":
@@ -146,16 +148,24 @@ class Layout:
         tp = ps.get_tp_group()
         world = ps.get_world_group()
         attn_tp = ps.get_attn_tensor_model_parallel_world_size()
-        return cls(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
-                   attn_tp_rank=ps.get_attn_tensor_model_parallel_rank(),
-                   attn_tp_size=attn_tp,
-                   ep_rank=ps.get_moe_expert_parallel_rank(), ep_size=ps.get_moe_expert_parallel_world_size(),
-                   moe_tp_rank=ps.get_moe_tensor_parallel_rank(), moe_tp_size=ps.get_moe_tensor_parallel_world_size(),
-                   dp_rank=tp.rank_in_group // attn_tp, dp_size=tp.world_size // attn_tp,
-                   global_rank=world.rank_in_group, world_size=world.world_size,
-                   reduce=tp.all_reduce, attn_reduce=ps.get_attn_tp_group().all_reduce,
-                   attn_gather=ps.get_attn_tp_group().all_gather,
-                   gather_counts=_counts_over(tp, attn_tp) if tp.world_size > attn_tp else None)
+        return cls(
+            tp_rank=tp.rank_in_group,
+            tp_size=tp.world_size,
+            attn_tp_rank=ps.get_attn_tensor_model_parallel_rank(),
+            attn_tp_size=attn_tp,
+            ep_rank=ps.get_moe_expert_parallel_rank(),
+            ep_size=ps.get_moe_expert_parallel_world_size(),
+            moe_tp_rank=ps.get_moe_tensor_parallel_rank(),
+            moe_tp_size=ps.get_moe_tensor_parallel_world_size(),
+            dp_rank=tp.rank_in_group // attn_tp,
+            dp_size=tp.world_size // attn_tp,
+            global_rank=world.rank_in_group,
+            world_size=world.world_size,
+            reduce=tp.all_reduce,
+            attn_reduce=ps.get_attn_tp_group().all_reduce,
+            attn_gather=ps.get_attn_tp_group().all_gather,
+            gather_counts=_counts_over(tp, attn_tp) if tp.world_size > attn_tp else None,
+        )
 
     @classmethod
     def for_flags(cls, tp_size: int, ep_size: int = 1, dp_size: int = 1, tp_rank: int = 0) -> "Layout":
@@ -163,14 +173,26 @@ class Layout:
         tp / dp), for rank `tp_rank`, without any process group (doctor, bench cache, tests)."""
         moe_tp = tp_size // max(1, ep_size)
         attn_tp = tp_size // max(1, dp_size)
-        return cls(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank % attn_tp, attn_tp_size=attn_tp,
-                   ep_rank=tp_rank // moe_tp, ep_size=ep_size, moe_tp_rank=tp_rank % moe_tp, moe_tp_size=moe_tp,
-                   dp_rank=tp_rank // attn_tp, dp_size=dp_size, global_rank=tp_rank, world_size=tp_size)
+        return cls(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            attn_tp_rank=tp_rank % attn_tp,
+            attn_tp_size=attn_tp,
+            ep_rank=tp_rank // moe_tp,
+            ep_size=ep_size,
+            moe_tp_rank=tp_rank % moe_tp,
+            moe_tp_size=moe_tp,
+            dp_rank=tp_rank // attn_tp,
+            dp_size=dp_size,
+            global_rank=tp_rank,
+            world_size=tp_size,
+        )
 
 
 def _counts_over(tp, attn_tp: int):
     """gather_counts over SGLang's TP group coordinator `tp`: every rank sends its row count; the
     attention-TP ranks of one DP group send the same one, so DP rank d's is rank d * attn_tp's."""
+
     def gather(n: int) -> list:
         mine = torch.tensor([int(n)], dtype=torch.int64)
         out = [torch.zeros_like(mine) for _ in range(tp.world_size)]
@@ -180,8 +202,9 @@ def _counts_over(tp, attn_tp: int):
     return gather
 
 
-def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enable_dp_attention: bool = False,
-                    draft: str | None = None) -> list[str]:
+def layout_problems(
+    cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enable_dp_attention: bool = False, draft: str | None = None
+) -> list[str]:
     """Why DeepSeek-V4 `cfg` (a DSV4Config or HF config) cannot be split as the flags ask, one
     message per problem, each naming the flag and the supported values. `dp_size` counts only
     with `enable_dp_attention` (plain `--dp-size` runs independent replicas of the tp layout)."""
@@ -198,31 +221,44 @@ def layout_problems(cfg, tp_size: int, ep_size: int = 1, dp_size: int = 1, enabl
     attn_tp = tp_size
     if enable_dp_attention:
         if dp_size < 2 or tp_size % dp_size:
-            return out + [f"--dp-size {dp_size} --enable-dp-attention (--attn-dp-size {dp_size}): DP attention needs a "
-                          f"DP size of 2 or more that divides --tp-size {tp_size} (attention TP = tp / dp); supported: "
-                          f"{[k for k in divisors(tp_size) if k > 1]}"]
+            return out + [
+                f"--dp-size {dp_size} --enable-dp-attention (--attn-dp-size {dp_size}): DP attention needs a "
+                f"DP size of 2 or more that divides --tp-size {tp_size} (attention TP = tp / dp); supported: "
+                f"{[k for k in divisors(tp_size) if k > 1]}"
+            ]
         attn_tp = tp_size // dp_size
 
     def attn_fits(k):
         return H % k == 0 and (G % k == 0 or k % G == 0)
 
     if not attn_fits(attn_tp):
-        what = (f"--tp-size {tp_size}" if attn_tp == tp_size else
-                f"--tp-size {tp_size} / --dp-size {dp_size} (attention TP {attn_tp})")
-        out.append(f"{what}: attention TP splits the {H} heads over the ranks with each output group "
-                   f"(o_groups {G}) on whole ranks or split evenly over several; it must divide {H} and divide or be "
-                   f"a multiple of {G}; supported attention TP sizes: {[k for k in divisors(H) if attn_fits(k)]}")
+        what = (
+            f"--tp-size {tp_size}"
+            if attn_tp == tp_size
+            else f"--tp-size {tp_size} / --dp-size {dp_size} (attention TP {attn_tp})"
+        )
+        out.append(
+            f"{what}: attention TP splits the {H} heads over the ranks with each output group "
+            f"(o_groups {G}) on whole ranks or split evenly over several; it must divide {H} and divide or be "
+            f"a multiple of {G}; supported attention TP sizes: {[k for k in divisors(H) if attn_fits(k)]}"
+        )
     if ep_size < 1 or tp_size % ep_size:
-        out.append(f"--ep-size {ep_size}: must divide --tp-size {tp_size} (SGLang's MoE EP group lives inside "
-                   f"the TP group); supported: {divisors(tp_size)}")
+        out.append(
+            f"--ep-size {ep_size}: must divide --tp-size {tp_size} (SGLang's MoE EP group lives inside "
+            f"the TP group); supported: {divisors(tp_size)}"
+        )
     elif E % ep_size:
-        out.append(f"--ep-size {ep_size}: {E} routed experts cannot be split evenly over {ep_size} ranks; "
-                   f"supported: {[k for k in divisors(E) if tp_size % k == 0]}")
+        out.append(
+            f"--ep-size {ep_size}: {E} routed experts cannot be split evenly over {ep_size} ranks; "
+            f"supported: {[k for k in divisors(E) if tp_size % k == 0]}"
+        )
     else:
         moe_tp = tp_size // ep_size
         if inter % moe_tp:
-            out.append(f"--tp-size {tp_size} --ep-size {ep_size}: each expert's intermediate size {inter} is split "
-                       f"over tp/ep = {moe_tp} ranks and must be divisible; raise --ep-size")
+            out.append(
+                f"--tp-size {tp_size} --ep-size {ep_size}: each expert's intermediate size {inter} is split "
+                f"over tp/ep = {moe_tp} ranks and must be divisible; raise --ep-size"
+            )
     if shared and shared % tp_size:
         out.append(f"--tp-size {tp_size}: the shared expert's intermediate size {shared} must be divisible by it")
     return out

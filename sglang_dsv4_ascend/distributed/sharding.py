@@ -48,6 +48,7 @@ def rank_part(layout: Layout, n_experts: int, n_groups: int):
     read from the file (a split tensor by slice, a replicated one whole), or SKIP for another
     rank's expert, which is then never read. The loader is told the parts are already cut
     (`presliced`)."""
+
     def take(name, sl):
         part = shard(name, sl, layout, n_experts, n_groups)
         return part if part is SKIP or isinstance(part, torch.Tensor) else part[:]

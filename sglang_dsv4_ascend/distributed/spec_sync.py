@@ -28,12 +28,10 @@ variant the check must catch.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import settings
 from .layout import sglang_parallel_state
-
 
 
 class DesyncError(RuntimeError):
@@ -97,9 +95,11 @@ class RankSync:
         if diff is not None:
             key, a, b = diff
             raise DesyncError(
-                f"{settings.SPEC_SYNC_CHECK.name}: speculative decisions differ across TP ranks at round {self.rounds}: {key!r} is "
+                f"{settings.SPEC_SYNC_CHECK.name}: speculative decisions differ across TP ranks at round "
+                f"{self.rounds}: {key!r} is "
                 f"{everyone[a][key]} on rank {a} and {everyone[b][key]} on rank {b}; the caches of these ranks have "
-                "diverged (same --random-seed on every rank? replicated draft weights?)")
+                "diverged (same --random-seed on every rank? replicated draft weights?)"
+            )
 
 
 def first_difference(per_rank: list[dict]):

@@ -123,8 +123,10 @@ def check_n(params: dict) -> None:
     if not _is_int(n) or n < 1:
         raise RequestRejected(f"n = {_short(n)}: expected an integer in [1, {limit}] (parallel samples per request)")
     if n > limit:
-        raise RequestRejected(f"n = {n}: at most {limit} parallel samples per request, expected an integer in "
-                              f"[1, {limit}] ({settings.MAX_N.name} to change)")
+        raise RequestRejected(
+            f"n = {n}: at most {limit} parallel samples per request, expected an integer in "
+            f"[1, {limit}] ({settings.MAX_N.name} to change)"
+        )
 
 
 def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = None) -> dict:
@@ -134,12 +136,16 @@ def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = N
     check_n(params)
     t = params.get("temperature")
     if _is_number(t) and not (_fits_float32(t) and t >= 0):
-        raise RequestRejected(f"temperature = {_short(t)}: expected a number in [0, {FLOAT32_MAX:.8g}] (float32, "
-                              "what the sampler computes in; 0 = greedy)")
+        raise RequestRejected(
+            f"temperature = {_short(t)}: expected a number in [0, {FLOAT32_MAX:.8g}] (float32, "
+            "what the sampler computes in; 0 = greedy)"
+        )
     k = params.get("top_k")
     if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
-        raise RequestRejected(f"top_k = {_short(k)}: expected -1 (every token) or an integer in [1, {vocab_size}] "
-                              "(the vocabulary size; a larger top_k keeps every token, as -1 does)")
+        raise RequestRejected(
+            f"top_k = {_short(k)}: expected -1 (every token) or an integer in [1, {vocab_size}] "
+            "(the vocabulary size; a larger top_k keeps every token, as -1 does)"
+        )
     if k is not None and k > vocab_size:
         params = {**params, "top_k": -1}  # past int32 it would crash SGLang's sampler; the meaning is the same
     m = params.get("min_new_tokens")
@@ -150,18 +156,23 @@ def check_sampling(params: dict, *, vocab_size: int, context_len: int | None = N
     if isinstance(bias, dict):
         for token, b in bias.items():
             if _is_number(b) and not (_fits_float32(b) and abs(b) <= LOGIT_BIAS_MAX):
-                raise RequestRejected(f"logit_bias[{token!r}] = {_short(b)}: expected a number in "
-                                      f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+                raise RequestRejected(
+                    f"logit_bias[{token!r}] = {_short(b)}: expected a number in "
+                    f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"
+                )
     every = params.get("stream_interval")
     if every is not None and (not _is_int(every) or not 0 <= every <= INT32_MAX):
-        raise RequestRejected(f"stream_interval = {_short(every)}: expected an integer in [0, {INT32_MAX}] "
-                              "(0: the server's --stream-interval)")
+        raise RequestRejected(
+            f"stream_interval = {_short(every)}: expected an integer in [0, {INT32_MAX}] "
+            "(0: the server's --stream-interval)"
+        )
     stops = params.get("stop_token_ids")
     if isinstance(stops, (list, tuple, set)):
         bad = next((i for i in stops if not _is_int(i) or not 0 <= i < vocab_size), None)
         if bad is not None:
-            raise RequestRejected(f"stop_token_ids: {_short(bad)} is not a token id in [0, {vocab_size}) "
-                                  "(the vocabulary)")
+            raise RequestRejected(
+                f"stop_token_ids: {_short(bad)} is not a token id in [0, {vocab_size}) (the vocabulary)"
+            )
     return params
 
 
@@ -190,8 +201,9 @@ def _ceil(x: int, page: int) -> int:
     return -(-x // page) * page
 
 
-def output_budget(prompt: int, max_new_tokens: int | None, lim: PoolLimits, *,
-                  ignore_eos: bool = False) -> tuple[int, int | None]:
+def output_budget(
+    prompt: int, max_new_tokens: int | None, lim: PoolLimits, *, ignore_eos: bool = False
+) -> tuple[int, int | None]:
     """(clipped, served) for a request of `prompt` tokens asking for `max_new_tokens` (None: as many
     as fit): `clipped` is the budget SGLang 0.5.23's scheduler cuts it to when the request is queued,
     `served` the largest budget up to that with which the scheduler admits the request and can run it
@@ -276,8 +288,9 @@ def largest_prompt(lim: PoolLimits, *, ignore_eos: bool = False) -> int:
     return lo
 
 
-def check_fits(obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total: bool = True,
-               truncates: bool = False) -> None:
+def check_fits(
+    obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total: bool = True, truncates: bool = False
+) -> None:
     """Refuse (RequestRejected with the numbers) a request the scheduler would never admit, or would
     answer with no output although output was asked for; lower max_new_tokens where SGLang's own
     clip would leave the request unfinishable (the ignore_eos and speculative terms of
@@ -306,14 +319,21 @@ def check_fits(obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total:
     pages = _ceil(n, page) // page
     most = largest_prompt(lim, ignore_eos=ignore_eos)
     at_most = (output_budget(most, None, lim, ignore_eos=ignore_eos)[1] or 0) if most else 0
-    spec = (f", and each speculative decode round reserves {lim.decode_reserve} rows past the committed length"
-            if lim.decode_reserve else "")
+    spec = (
+        f", and each speculative decode round reserves {lim.decode_reserve} rows past the committed length"
+        if lim.decode_reserve
+        else ""
+    )
     if asked == 0:
-        why = (f"the scheduler admits a request only while its prompt plus one page ({n} + {page}) stays below the "
-               "pool, so it would wait forever")
+        why = (
+            f"the scheduler admits a request only while its prompt plus one page ({n} + {page}) stays below the "
+            "pool, so it would wait forever"
+        )
     else:
-        why = (f"its {pages} pages of {page} tokens ({pages * page}) plus the page the scheduler keeps free per "
-               "request leave no room for a new token")
+        why = (
+            f"its {pages} pages of {page} tokens ({pages * page}) plus the page the scheduler keeps free per "
+            "request leave no room for a new token"
+        )
     raise RequestRejected(
         f"input_ids: {n} prompt tokens + max_new_tokens {'null' if asked is None else asked}"
         f"{' (as --allow-auto-truncate cuts them)' if cut else ''} cannot be served: {why}; this server's KV pool "
@@ -326,8 +346,15 @@ def check_fits(obj, prompt: int, params: dict, lim: PoolLimits, *, checks_total:
 # which speculative verify bypasses): refused under speculation rather than silently ignored.
 # name -> the value that means "off".
 _SPEC_UNSUPPORTED_SAMPLING = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-    "logit_bias": None, "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "logit_bias": None,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
     "custom_params": None,
 }
 
@@ -346,9 +373,18 @@ def _speculative_problem(obj) -> str | None:
     return None
 
 
-def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: str | None = None,
-                  context_len: int | None = None, limits: PoolLimits | None = None,
-                  checks_total: bool = True, truncates: bool = False) -> None:
+def check_request(
+    obj,
+    input_ids,
+    *,
+    vocab_size: int,
+    dsv4: bool,
+    speculative: str | None = None,
+    context_len: int | None = None,
+    limits: PoolLimits | None = None,
+    checks_total: bool = True,
+    truncates: bool = False,
+) -> None:
     """Raise RequestRejected naming the field if one (already tokenized) generate request cannot
     be served as asked. `obj` is SGLang's per-request GenerateReqInput (or EmbeddingReqInput).
 
@@ -363,9 +399,7 @@ def check_request(obj, input_ids, *, vocab_size: int, dsv4: bool, speculative: s
         lo, hi = min(input_ids), max(input_ids)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
-            raise RequestRejected(
-                f"input_ids: token id {bad} is outside the model's vocabulary [0, {vocab_size})"
-            )
+            raise RequestRejected(f"input_ids: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     if getattr(obj, "return_logprob", False):
         k = getattr(obj, "top_logprobs_num", None)
         if k is not None and (not _is_int(k) or not 0 <= k <= vocab_size):
@@ -448,12 +482,19 @@ def pool_limits(tm) -> PoolLimits | None:
         page, radix_disabled = _published_config()
     except Exception:  # nothing published in this process
         return None
-    return PoolLimits(pool_tokens=int(pool), page_size=page, context_len=int(ctx),
-                      decode_reserve=_decode_reserve(tm.server_args), radix_disabled=radix_disabled)
+    return PoolLimits(
+        pool_tokens=int(pool),
+        page_size=page,
+        context_len=int(ctx),
+        decode_reserve=_decode_reserve(tm.server_args),
+        radix_disabled=radix_disabled,
+    )
 
 
-INPUT_EMBEDS_REFUSED = ("input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
-                        "ignored and the answer would be for a different prompt); send text or input_ids")
+INPUT_EMBEDS_REFUSED = (
+    "input_embeds: not supported by the DeepSeek-V4 model of sglang-dsv4-ascend (it would be "
+    "ignored and the answer would be for a different prompt); send text or input_ids"
+)
 
 
 class RequestGate:
@@ -485,8 +526,12 @@ class RequestGate:
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _drain(receive)
-            return await self._reject(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
-                                                 f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)")
+            return await self._reject(
+                send,
+                413,
+                f"request body of {int(declared)} bytes exceeds the limit of "
+                f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)",
+            )
         # Read the (bounded) body here; a chunked one has no length header, so count what arrives.
         chunks, size = [], 0
         while True:
@@ -498,8 +543,12 @@ class RequestGate:
             if size > limit:
                 if message.get("more_body", False):
                     await _drain(receive)
-                return await self._reject(send, 413, f"request body of {size}+ bytes exceeds the limit of "
-                                                     f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)")
+                return await self._reject(
+                    send,
+                    413,
+                    f"request body of {size}+ bytes exceeds the limit of "
+                    f"{limit} bytes ({settings.MAX_REQUEST_BYTES.name} to change)",
+                )
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -520,8 +569,13 @@ class RequestGate:
     @staticmethod
     async def _reject(send, status: int, message: str):
         body = json.dumps({"object": "error", "type": "BadRequestError", "code": status, "message": message}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -567,11 +621,17 @@ def shape_error(path: str, body: bytes) -> str | None:
         params = data.get("sampling_params")
         if isinstance(params, list):
             prompts = data.get("text") if data.get("text") is not None else data.get("input_ids")
-            batch = len(prompts) if isinstance(prompts, list) and (
-                data.get("text") is not None or any(isinstance(p, list) for p in prompts)) else 1
+            batch = (
+                len(prompts)
+                if isinstance(prompts, list)
+                and (data.get("text") is not None or any(isinstance(p, list) for p in prompts))
+                else 1
+            )
             if len(params) != batch or not all(isinstance(p, dict) for p in params):
-                return (f"sampling_params: a list must hold one object per prompt ({batch} here), got "
-                        f"{len(params)} entr{'y' if len(params) == 1 else 'ies'}")
+                return (
+                    f"sampling_params: a list must hold one object per prompt ({batch} here), got "
+                    f"{len(params)} entr{'y' if len(params) == 1 else 'ies'}"
+                )
     if path == "/v1/chat/completions":
         fmt = data.get("response_format")
         if fmt is not None and not isinstance(fmt, dict):

@@ -40,7 +40,6 @@ from ..names import (
 logger = logging.getLogger("sglang_dsv4_ascend")
 
 
-
 def _raw(server_args, name):
     """What the user passed (None when unset), before any declaration."""
     return getattr(server_args, name, None)
@@ -83,7 +82,10 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
         if not ok:
             out.append(msg)
 
-    need(cfg.pp_size == 1, f"--pp-size {cfg.pp_size}: pipeline parallelism is not supported for DeepSeek-V4; supported: 1")
+    need(
+        cfg.pp_size == 1,
+        f"--pp-size {cfg.pp_size}: pipeline parallelism is not supported for DeepSeek-V4; supported: 1",
+    )
     # SGLang 0.5.23 turns `--dp-size D --enable-dp-attention` into `--attn-dp-size D` (dp_size 1)
     # before this runs; plain `--dp-size` (replicas) is left to SGLang.
     dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
@@ -92,43 +94,62 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
         from ..distributed.layout import layout_problems  # imports torch
 
         out += layout_problems(hf, cfg.tp_size, cfg.ep_size, dp, dp_attn)
-        need(cfg.quantization != QUANT_METHOD or cfg.ep_size == cfg.tp_size,
-             f"--quantization {QUANT_METHOD} with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
-             f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "
-             f"activation scale); use --ep-size {cfg.tp_size}")
-    need(not getattr(cfg, "enable_deterministic_inference", False),
-         "--enable-deterministic-inference: SGLang's deterministic mode (its batch-invariant kernels, "
-         "split sizes and seeded sampling) is not implemented by the dsv4_ascend backend. Without the flag, "
-         "a bf16 model's greedy tokens were the same alone, batched and with speculation in every check on the "
-         "CPU reference (tests/unit/test_logits_numerics.py, tests/e2e/test_bf16_lossless.py); in fp32, and "
-         "on an NPU, that is not established. Drop the flag")
-    need(cfg.kv_cache_dtype == "auto",
-         f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
-         "dtype; supported: auto")
-    need((cfg.tokenizer_worker_num or 1) == 1,
-         f"--tokenizer-worker-num {cfg.tokenizer_worker_num}: extra tokenizer workers do not load SGLang "
-         "plugins, so the request validation that keeps bad requests from crashing the DeepSeek-V4 "
-         "scheduler would be missing there; supported: 1")
+        need(
+            cfg.quantization != QUANT_METHOD or cfg.ep_size == cfg.tp_size,
+            f"--quantization {QUANT_METHOD} with --tp-size {cfg.tp_size} --ep-size {cfg.ep_size}: W8A8 routed experts "
+            f"are split by expert only (splitting one expert's intermediate dimension would change its per-token "
+            f"activation scale); use --ep-size {cfg.tp_size}",
+        )
+    need(
+        not getattr(cfg, "enable_deterministic_inference", False),
+        "--enable-deterministic-inference: SGLang's deterministic mode (its batch-invariant kernels, "
+        "split sizes and seeded sampling) is not implemented by the dsv4_ascend backend. Without the flag, "
+        "a bf16 model's greedy tokens were the same alone, batched and with speculation in every check on the "
+        "CPU reference (tests/unit/test_logits_numerics.py, tests/e2e/test_bf16_lossless.py); in fp32, and "
+        "on an NPU, that is not established. Drop the flag",
+    )
+    need(
+        cfg.kv_cache_dtype == "auto",
+        f"--kv-cache-dtype {cfg.kv_cache_dtype}: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model "
+        "dtype; supported: auto",
+    )
+    need(
+        (cfg.tokenizer_worker_num or 1) == 1,
+        f"--tokenizer-worker-num {cfg.tokenizer_worker_num}: extra tokenizer workers do not load SGLang "
+        "plugins, so the request validation that keeps bad requests from crashing the DeepSeek-V4 "
+        "scheduler would be missing there; supported: 1",
+    )
     backend = _raw(server_args, "radix_cache_backend")
-    need(backend in (None, RADIX_BACKEND) or cfg.disable_radix_cache,
-         f"--radix-cache-backend {backend}: DeepSeek-V4 prefix hits need the plugin's tree, which resumes "
-         f"a hit from its saved window and compressor state; supported: {RADIX_BACKEND} (the default), or "
-         "--disable-radix-cache")
+    need(
+        backend in (None, RADIX_BACKEND) or cfg.disable_radix_cache,
+        f"--radix-cache-backend {backend}: DeepSeek-V4 prefix hits need the plugin's tree, which resumes "
+        f"a hit from its saved window and compressor state; supported: {RADIX_BACKEND} (the default), or "
+        "--disable-radix-cache",
+    )
     out += speculative_problems(cfg)
-    for flag, name in (("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
-                       ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill")):
+    for flag, name in (
+        ("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
+        ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill"),
+    ):
         value = _raw(server_args, name)
-        need(value in (None, "disabled"), f"{flag} {value}: graph capture is not supported by the dsv4_ascend "
-                                          "backend yet; supported: disabled (the default for DeepSeek-V4)")
+        need(
+            value in (None, "disabled"),
+            f"{flag} {value}: graph capture is not supported by the dsv4_ascend "
+            "backend yet; supported: disabled (the default for DeepSeek-V4)",
+        )
     page = _raw(server_args, "page_size")
-    need(page is None or (page > 0 and page % PAGE_SIZE == 0),
-         f"--page-size {page}: DeepSeek-V4 pages must be a multiple of {PAGE_SIZE} tokens (every compressed "
-         f"entry must stay inside one page); use {PAGE_SIZE}, {2 * PAGE_SIZE}, ... or leave it unset ({PAGE_SIZE})")
+    need(
+        page is None or (page > 0 and page % PAGE_SIZE == 0),
+        f"--page-size {page}: DeepSeek-V4 pages must be a multiple of {PAGE_SIZE} tokens (every compressed "
+        f"entry must stay inside one page); use {PAGE_SIZE}, {2 * PAGE_SIZE}, ... or leave it unset ({PAGE_SIZE})",
+    )
     chunk = _raw(server_args, "chunked_prefill_size")
     page = page or PAGE_SIZE
-    need(chunk is None or chunk == -1 or (chunk > 0 and chunk % page == 0),
-         f"--chunked-prefill-size {chunk}: must be a multiple of the page size {page} that sglang-dsv4-ascend "
-         f"uses for DeepSeek-V4 (e.g. {page}, {16 * page}), or -1 to disable chunking")
+    need(
+        chunk is None or chunk == -1 or (chunk > 0 and chunk % page == 0),
+        f"--chunked-prefill-size {chunk}: must be a multiple of the page size {page} that sglang-dsv4-ascend "
+        f"uses for DeepSeek-V4 (e.g. {page}, {16 * page}), or -1 to disable chunking",
+    )
     return out
 
 
@@ -159,16 +180,24 @@ def speculative_problems(cfg) -> list[str]:
             out.append(msg)
 
     flag = f"--speculative-algorithm {cfg.speculative_algorithm}"
-    need(algo in SPEC_ALGOS, f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with nextn (its alias eagle) "
-                             "or dspark speculation")
+    need(
+        algo in SPEC_ALGOS,
+        f"{flag}: sglang-dsv4-ascend serves DeepSeek-V4 with nextn (its alias eagle) or dspark speculation",
+    )
     dspark = algo == DSPARK_ALGO
     worker, draft = ("DSpark", "DSpark draft") if dspark else ("NextN", "NextN block")
-    need(cfg.quantization != QUANT_METHOD, f"{flag} with --quantization {QUANT_METHOD}: the W8A8 {draft} is "
-                                            "not wired yet; serve the float checkpoint for speculation")
+    need(
+        cfg.quantization != QUANT_METHOD,
+        f"{flag} with --quantization {QUANT_METHOD}: the W8A8 {draft} is "
+        "not wired yet; serve the float checkpoint for speculation",
+    )
     for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
         value = getattr(cfg, name, 1.0)
-        need(value in (None, 1.0), f"--{name.replace('_', '-')} {value}: the dsv4_ascend {worker} worker accepts "
-                                   "losslessly only (greedy match / exact rejection sampling); supported: 1.0")
+        need(
+            value in (None, 1.0),
+            f"--{name.replace('_', '-')} {value}: the dsv4_ascend {worker} worker accepts "
+            "losslessly only (greedy match / exact rejection sampling); supported: 1.0",
+        )
     steps, topk = cfg.speculative_num_steps, cfg.speculative_eagle_topk
     if dspark:
         from ..speculative.planner import verify_mode  # imports torch
@@ -186,8 +215,10 @@ def speculative_problems(cfg) -> list[str]:
     else:
         need(steps is None or steps >= 1, f"--speculative-num-steps {steps}: must be >= 1")
         need(topk is None or topk >= 1, f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
-        need(not getattr(cfg, "enable_multi_layer_eagle", False),
-             "--enable-multi-layer-eagle: DeepSeek-V4 checkpoints have one NextN block (chained); drop the flag")
+        need(
+            not getattr(cfg, "enable_multi_layer_eagle", False),
+            "--enable-multi-layer-eagle: DeepSeek-V4 checkpoints have one NextN block (chained); drop the flag",
+        )
     if algo in SPEC_ALGOS:
         missing = _checkpoint_lacks_draft(cfg.model_path, "dspark" if dspark else "nextn")
         need(not missing, f"{flag}: {missing}")
@@ -206,14 +237,23 @@ def _checkpoint_lacks_draft(model_path, kind: str) -> str | None:
     has = {"nextn": "mtp.0.e_proj.weight" in names, "dspark": "mtp.0.main_proj.weight" in names}
     if has[kind]:
         return None
-    found = ("a NextN block (mtp.0.e_proj)" if has["nextn"] else "a DSpark draft (mtp.*.main_proj)"
-             if has["dspark"] else "no draft layers")
+    found = (
+        "a NextN block (mtp.0.e_proj)"
+        if has["nextn"]
+        else "a DSpark draft (mtp.*.main_proj)"
+        if has["dspark"]
+        else "no draft layers"
+    )
     if kind == "nextn":
-        return (f"{model_path} has {found}, not a NextN block (mtp.0.e_proj, mtp.0.h_proj, ...); use a checkpoint "
-                "with num_nextn_predict_layers >= 1 and its mtp.0 tensors, or --speculative-algorithm dspark on a "
-                "DSpark checkpoint")
-    return (f"{model_path} has {found}, not a DSpark draft (mtp.0.main_proj, mtp.2.markov_head, ...); use a "
-            "DSpark checkpoint (dspark_* config fields and mtp.0..2), or --speculative-algorithm nextn on an MTP one")
+        return (
+            f"{model_path} has {found}, not a NextN block (mtp.0.e_proj, mtp.0.h_proj, ...); use a checkpoint "
+            "with num_nextn_predict_layers >= 1 and its mtp.0 tensors, or --speculative-algorithm dspark on a "
+            "DSpark checkpoint"
+        )
+    return (
+        f"{model_path} has {found}, not a DSpark draft (mtp.0.main_proj, mtp.2.markov_head, ...); use a "
+        "DSpark checkpoint (dspark_* config fields and mtp.0..2), or --speculative-algorithm nextn on an MTP one"
+    )
 
 
 def _graphs_disabled(server_args) -> dict:
@@ -228,8 +268,10 @@ def _graphs_disabled(server_args) -> dict:
         return {}
     for phase in Phase.ALL:
         graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
-    logger.info("dsv4_ascend: graph capture disabled for DeepSeek-V4 (the dsv4_ascend backend runs eager "
-                "until its graph support lands)")
+    logger.info(
+        "dsv4_ascend: graph capture disabled for DeepSeek-V4 (the dsv4_ascend backend runs eager "
+        "until its graph support lands)"
+    )
     return {"cuda_graph_config": graphs, "disable_cuda_graph": True}
 
 
@@ -243,8 +285,7 @@ def model_adjustments(server_args, previous):
         return previous(server_args)
     problems = unsupported_settings(server_args, hf)
     if problems:
-        raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  "
-                         + "\n  ".join(problems))
+        raise ValueError("sglang-dsv4-ascend cannot serve DeepSeek-V4 with these settings:\n  " + "\n  ".join(problems))
     decl = {}
     if not cfg.disable_radix_cache:
         # SGLang's tree shares the token slots that carry the compressed entries; ours reports
@@ -264,8 +305,12 @@ def model_adjustments(server_args, previous):
         # are for its own worker. Ours were made above (speculative_problems), so that step runs
         # with the algorithm hidden, and the user's value is declared back right after (the last
         # declaration wins).
-        with declared_during(server_args, "sglang_dsv4_ascend.hide_spec", {"speculative_algorithm": None},
-                             {"speculative_algorithm": algo}):
+        with declared_during(
+            server_args,
+            "sglang_dsv4_ascend.hide_spec",
+            {"speculative_algorithm": None},
+            {"speculative_algorithm": algo},
+        ):
             previous(server_args)
     else:
         previous(server_args)
@@ -277,8 +322,11 @@ def model_adjustments(server_args, previous):
     decl["kv_cache_dtype"] = "auto"
     decl.update(_graphs_disabled(server_args))
     if cfg.device == "cpu" and "context_length" in decl:
-        logger.info("dsv4_ascend on CPU: context_length=%s max_running_requests=%s (pass the flags to change)",
-                    decl["context_length"], decl.get("max_running_requests", cfg.max_running_requests))
+        logger.info(
+            "dsv4_ascend on CPU: context_length=%s max_running_requests=%s (pass the flags to change)",
+            decl["context_length"],
+            decl.get("max_running_requests", cfg.max_running_requests),
+        )
     declare_resolution(server_args, "sglang_dsv4_ascend", **decl)
 
 
@@ -293,22 +341,35 @@ def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
     except ValueError as e:
         out.append(f"{os.path.join(model_dir, 'config.json')}: {e}")
     tok_dir = cfg.tokenizer_path or model_dir
-    if not cfg.skip_tokenizer_init and os.path.isdir(tok_dir) and not any(
-            os.path.exists(os.path.join(tok_dir, f)) for f in TOKENIZER_FILES):
-        out.append(f"tokenizer: none of {' / '.join(TOKENIZER_FILES)} in {tok_dir} (pass --tokenizer-path DIR, or "
-                   "--skip-tokenizer-init and send input_ids)")
+    if (
+        not cfg.skip_tokenizer_init
+        and os.path.isdir(tok_dir)
+        and not any(os.path.exists(os.path.join(tok_dir, f)) for f in TOKENIZER_FILES)
+    ):
+        out.append(
+            f"tokenizer: none of {' / '.join(TOKENIZER_FILES)} in {tok_dir} (pass --tokenizer-path DIR, or "
+            "--skip-tokenizer-init and send input_ids)"
+        )
     quant, has_description = cfg.quantization, os.path.exists(os.path.join(model_dir, DESCRIPTION_FILE))
     if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
-        out.append(f"config.json quantization_config ({method}): FP8 / FP4 released weights are not supported by "
-                   "sglang-dsv4-ascend yet; use a bf16 checkpoint or a ModelSlim W8A8 one")
+        method = (
+            raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
+        )
+        out.append(
+            f"config.json quantization_config ({method}): FP8 / FP4 released weights are not supported by "
+            "sglang-dsv4-ascend yet; use a bf16 checkpoint or a ModelSlim W8A8 one"
+        )
     if quant == QUANT_METHOD and not has_description:
-        out.append(f"--quantization {QUANT_METHOD}: {model_dir} has no {DESCRIPTION_FILE}, so it is not a ModelSlim W8A8 "
-                   "checkpoint; write one with `python -m sglang_dsv4_ascend.tools.quantize_w8a8 IN_DIR OUT_DIR`, "
-                   "or drop the flag to serve the float weights")
+        out.append(
+            f"--quantization {QUANT_METHOD}: {model_dir} has no {DESCRIPTION_FILE}, so it is not a ModelSlim W8A8 "
+            "checkpoint; write one with `python -m sglang_dsv4_ascend.tools.quantize_w8a8 IN_DIR OUT_DIR`, "
+            "or drop the flag to serve the float weights"
+        )
     elif quant not in (None, QUANT_METHOD):
-        out.append(f"--quantization {quant}: not supported for DeepSeek-V4 by sglang-dsv4-ascend; supported: {QUANT_METHOD} "
-                   f"(a ModelSlim W8A8 checkpoint with {DESCRIPTION_FILE}) or none (bf16 / fp16 / fp32 weights)")
+        out.append(
+            f"--quantization {quant}: not supported for DeepSeek-V4 by sglang-dsv4-ascend; supported: {QUANT_METHOD} "
+            f"(a ModelSlim W8A8 checkpoint with {DESCRIPTION_FILE}) or none (bf16 / fp16 / fp32 weights)"
+        )
     return out
 
 
@@ -330,5 +391,7 @@ def checkpoint_checks(server_args, previous):
         return
     problems = checkpoint_problems(raw, cfg.model_path, cfg)
     if problems:
-        raise ValueError(f"sglang-dsv4-ascend cannot serve the DeepSeek-V4 checkpoint at {cfg.model_path}:\n  "
-                         + "\n  ".join(problems))
+        raise ValueError(
+            f"sglang-dsv4-ascend cannot serve the DeepSeek-V4 checkpoint at {cfg.model_path}:\n  "
+            + "\n  ".join(problems)
+        )

@@ -36,6 +36,7 @@ from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..names import PAGE_SIZE
 from .prefix_state import PrefixStates, restore_state, save_states, state_lists
 
+
 @dataclass
 class _LayerState:
     ratio: int
@@ -49,8 +50,18 @@ ENTRY_ALIGN = PAGE_SIZE  # every compression ratio divides it; token-slot pages 
 
 
 class DSV4Cache:
-    def __init__(self, cfg, num_slots: int, max_context_len: int, spec_slack: int = 0,
-                 dtype=torch.float32, device=None, ratios=None, token_slots=None, num_token_slots=None):
+    def __init__(
+        self,
+        cfg,
+        num_slots: int,
+        max_context_len: int,
+        spec_slack: int = 0,
+        dtype=torch.float32,
+        device=None,
+        ratios=None,
+        token_slots=None,
+        num_token_slots=None,
+    ):
         """`ratios` defaults to the config's main layers (drafts can pass their own, all 0).
         `token_slots` [num_slots, >= max_context_len + spec_slack] (SGLang's req_to_token) and
         `num_token_slots` (its pool size) page the compressed entries; without them the cache
@@ -69,8 +80,10 @@ class DSV4Cache:
             token_slots = torch.arange(num_slots * stride, device=device).view(num_slots, stride)
             num_token_slots = num_slots * stride
         elif num_token_slots is None or token_slots.shape[0] < num_slots or token_slots.shape[1] < self.capacity:
-            raise ValueError(f"DSV4Cache: token_slots {tuple(token_slots.shape)} / num_token_slots "
-                             f"{num_token_slots} must cover {num_slots} slots x {self.capacity} positions")
+            raise ValueError(
+                f"DSV4Cache: token_slots {tuple(token_slots.shape)} / num_token_slots "
+                f"{num_token_slots} must cover {num_slots} slots x {self.capacity} positions"
+            )
         self.token_slots, self.num_token_slots = token_slots, num_token_slots
         self.key_slots = token_slots  # what prefix states are keyed by (a draft cache: the target's)
         # One scratch request slot (its rings) and one scratch entry row per store, never read by a
@@ -82,8 +95,9 @@ class DSV4Cache:
         self.layers = [self._alloc(r) for r in ratios]
         self.prefix: PrefixStates | None = None  # states at page boundaries, for prefix (radix) hits
 
-    def enable_prefix_states(self, capacity: int | None = None, page: int = None, link: PrefixStates | None = None,
-                             key_slots=None) -> PrefixStates:
+    def enable_prefix_states(
+        self, capacity: int | None = None, page: int = None, link: PrefixStates | None = None, key_slots=None
+    ) -> PrefixStates:
         """Save a state at every page boundary a store step completes (prefix_state.py), so a
         request can resume a prefix another one computed: `restore_prefix`. A draft cache passes
         the target's store as `link` and the target's token slots as `key_slots` (states are
@@ -92,8 +106,10 @@ class DSV4Cache:
         if key_slots is not None:
             self.key_slots = key_slots
         if page % ENTRY_ALIGN:
-            raise ValueError(f"DSV4Cache: prefix states need page boundaries that close every block; "
-                             f"page {page} is not a multiple of {ENTRY_ALIGN}")
+            raise ValueError(
+                f"DSV4Cache: prefix states need page boundaries that close every block; "
+                f"page {page} is not a multiple of {ENTRY_ALIGN}"
+            )
         if capacity is None:
             capacity = PrefixStates.default_capacity(self.num_token_slots, page)
         self.prefix = PrefixStates(self, capacity, page, link=link)
@@ -112,8 +128,9 @@ class DSV4Cache:
         if self.prefix is None:
             return None
         rows_ring = self.rows_ring(4) if any(st.ratio == 4 for st in self.layers) else None
-        return state_lists(self.prefix, segs, self.window_ring, rows_ring, self.key_slots,
-                           self.device if device is None else device)
+        return state_lists(
+            self.prefix, segs, self.window_ring, rows_ring, self.key_slots, self.device if device is None else device
+        )
 
     def _alloc(self, ratio: int) -> _LayerState:
         cfg, S = self.cfg, self.num_slots + 1  # + the scratch slot
@@ -136,7 +153,10 @@ class DSV4Cache:
             rows[COMPRESSOR] = (zeros(S, ring, width, dtype=torch.float32), zeros(S, ring, width, dtype=torch.float32))
             entries[COMPRESSOR] = kv[n_swa:]
             if overlap:
-                rows[INDEXER] = (zeros(S, ring, 2 * Di, dtype=torch.float32), zeros(S, ring, 2 * Di, dtype=torch.float32))
+                rows[INDEXER] = (
+                    zeros(S, ring, 2 * Di, dtype=torch.float32),
+                    zeros(S, ring, 2 * Di, dtype=torch.float32),
+                )
                 entries[INDEXER] = zeros(self.pad_entry_row(ratio) + 1, Di)
         return _LayerState(ratio, kv, swa, rows, entries)
 
@@ -263,7 +283,10 @@ class DSV4Cache:
         for i, st in enumerate(self.layers):
             out[f"layers.{i}.swa"] = st.swa[slot].clone()
             for name, (kv, gate) in st.rows.items():
-                out[f"layers.{i}.{name}.rows_kv"], out[f"layers.{i}.{name}.rows_gate"] = kv[slot].clone(), gate[slot].clone()
+                out[f"layers.{i}.{name}.rows_kv"], out[f"layers.{i}.{name}.rows_gate"] = (
+                    kv[slot].clone(),
+                    gate[slot].clone(),
+                )
             for name, e in st.entries.items():
                 out[f"layers.{i}.{name}.entries"] = e[self.entry_rows(slot, st.ratio, 0, self.capacity // st.ratio)]
         return out

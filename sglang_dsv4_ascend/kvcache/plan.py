@@ -193,15 +193,37 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
     for r in sorted({x for x in cache_ratios(cache) if x}):
         ratios[r] = _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos_p, row_L_p, real, dev, bucket)
     plan = ForwardPlan(
-        segments=list(segments), T=Tp, window=W, ring=R,
-        row_slot=dev(row_slot_p), row_pos=dev(row_pos_p), row_seg=dev(row_seg_p), row_start=dev(row_L_p),
-        swa_com=dev(swa_com), swa_com_lo=dev(com_lo), swa_com_hi=dev(com_hi),
-        swa_fresh=dev(swa_fresh), swa_fresh_lo=dev(com_hi), swa_fresh_hi=dev(fresh_hi),
-        ratios=ratios, device=device, bucket=bucket, n_real=T,
+        segments=list(segments),
+        T=Tp,
+        window=W,
+        ring=R,
+        row_slot=dev(row_slot_p),
+        row_pos=dev(row_pos_p),
+        row_seg=dev(row_seg_p),
+        row_start=dev(row_L_p),
+        swa_com=dev(swa_com),
+        swa_com_lo=dev(com_lo),
+        swa_com_hi=dev(com_hi),
+        swa_fresh=dev(swa_fresh),
+        swa_fresh_lo=dev(com_hi),
+        swa_fresh_hi=dev(fresh_hi),
+        ratios=ratios,
+        device=device,
+        bucket=bucket,
+        n_real=T,
         # Host-side sharing decisions would vary with the batch: a static plan makes none.
         host_groups=None if bucket is not None else (row_slot_p.tolist(), row_seg_p.tolist()),
-        cpu=dict(seg_slot=seg_slot, seg_L=seg_L, seg_n=seg_n, seg_first=seg_first, row_seg=row_seg,
-                 row_off=row_off, row_slot=row_slot, row_pos=row_pos, pad_slot=cache.pad_slot),
+        cpu=dict(
+            seg_slot=seg_slot,
+            seg_L=seg_L,
+            seg_n=seg_n,
+            seg_first=seg_first,
+            row_seg=row_seg,
+            row_off=row_off,
+            row_slot=row_slot,
+            row_pos=row_pos,
+            pad_slot=cache.pad_slot,
+        ),
     )
     plan.writes()  # the store-everything lists, now: host work belongs before the forward
     return plan
@@ -213,8 +235,10 @@ def _check_bucket(bucket: Bucket, segments, T: int, cache) -> None:
     if T > bucket.rows or longest > bucket.seg_tokens:
         raise ValueError(f"bucket {bucket}: the forward has {T} rows and up to {longest} per request")
     if bucket.seg_tokens > smallest_ring:
-        raise ValueError(f"bucket {bucket}: seg_tokens above the smallest ring ({smallest_ring} rows); "
-                         "static plans are for decode and verify batches")
+        raise ValueError(
+            f"bucket {bucket}: seg_tokens above the smallest ring ({smallest_ring} rows); "
+            "static plans are for decode and verify batches"
+        )
 
 
 def cache_ratios(cache):
@@ -258,11 +282,24 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
     row_j0 = torch.where(real, row_L // r, 0)
     new_hi = torch.where(real, (row_pos + 1) // r - row_L // r, 0)
     return RatioPlan(
-        ratio=r, overlap=overlap, rows_ring=Rc, n_new=Ep, max_committed=max_committed,
-        max_new=max_new, ent_j=dev(ent_j), ent_row=ent_row,
-        blk_ring=dev(blk_ring), blk_fresh=dev(blk_fresh), blk_from_ring=dev(blk_from_ring), blk_ok=dev(blk_ok),
-        slot_entries=ts[:, ::r], com_hi=dev(row_j0), new_table=dev(new_table),
-        new_hi=dev(new_hi), ent_seg_cpu=ent_seg, ent_j_cpu=ent_j[:E],
+        ratio=r,
+        overlap=overlap,
+        rows_ring=Rc,
+        n_new=Ep,
+        max_committed=max_committed,
+        max_new=max_new,
+        ent_j=dev(ent_j),
+        ent_row=ent_row,
+        blk_ring=dev(blk_ring),
+        blk_fresh=dev(blk_fresh),
+        blk_from_ring=dev(blk_from_ring),
+        blk_ok=dev(blk_ok),
+        slot_entries=ts[:, ::r],
+        com_hi=dev(row_j0),
+        new_table=dev(new_table),
+        new_hi=dev(new_hi),
+        ent_seg_cpu=ent_seg,
+        ent_j_cpu=ent_j[:E],
     )
 
 
@@ -297,6 +334,7 @@ def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
             keep = torch.cat([keep, torch.ones(rp.n_new - E, dtype=torch.bool)])
         idx = torch.nonzero(keep).flatten().to(plan.device)
         entries[r] = (idx, rp.ent_row[idx])
-    state_segs = [(int(sl), int(L), int(k), int(f))
-                  for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0]
+    state_segs = [
+        (int(sl), int(L), int(k), int(f)) for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0
+    ]
     return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None)

@@ -64,7 +64,9 @@ class PrefixStates:
         keeps its own rows but uses the target's keys and indices, so a state covers target and
         draft together, and saving a draft row never evicts anything."""
         if capacity <= 0:
-            raise ValueError(f"{settings.PREFIX_STATES.name}={capacity}: the prefix state store needs at least one state")
+            raise ValueError(
+                f"{settings.PREFIX_STATES.name}={capacity}: the prefix state store needs at least one state"
+            )
         self.capacity, self.page, self.link = capacity, page, link
         self.window = cache.cfg.sliding_window
         dev = cache.device
@@ -75,8 +77,10 @@ class PrefixStates:
             if st.ratio == 4:
                 for name, (kv, _) in st.rows.items():
                     shape = (capacity, OVERLAP_ROWS, kv.shape[-1])
-                    rows[name] = (torch.zeros(shape, dtype=kv.dtype, device=dev),
-                                  torch.zeros(shape, dtype=kv.dtype, device=dev))
+                    rows[name] = (
+                        torch.zeros(shape, dtype=kv.dtype, device=dev),
+                        torch.zeros(shape, dtype=kv.dtype, device=dev),
+                    )
             self.rows.append(rows)
         self.extras: dict = {}  # name -> [capacity, ...]: draft state kept beside (drafters.py)
         self._by_key: dict[int, int] = {}  # token slot of position L - 1 -> state index
@@ -209,9 +213,14 @@ class PrefixStates:
         return n
 
     def stats(self) -> dict:
-        return {"capacity": self.capacity, "used": len(self._lru) + len(self._kept), "kept": len(self._kept),
-                "hits": self.hits, "writes": self.writes,
-                "bytes": self.nbytes()}
+        return {
+            "capacity": self.capacity,
+            "used": len(self._lru) + len(self._kept),
+            "kept": len(self._kept),
+            "hits": self.hits,
+            "writes": self.writes,
+            "bytes": self.nbytes(),
+        }
 
 
 class StateLists:
@@ -230,12 +239,16 @@ def boundaries_of(store: PrefixStates, segs) -> list:
     """(slot, start, first row, boundary b) for each page boundary L < b <= L + n of `segs`
     (slot, start L, stored n, first row)."""
     page = store.page
-    return [(slot, start, first, b) for slot, start, n, first in segs
-            for b in range((start // page + 1) * page, start + n + 1, page)]
+    return [
+        (slot, start, first, b)
+        for slot, start, n, first in segs
+        for b in range((start // page + 1) * page, start + n + 1, page)
+    ]
 
 
-def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int | None, token_slots,
-                device) -> StateLists | None:
+def state_lists(
+    store: PrefixStates, segs: list, swa_ring: int, rows_ring: int | None, token_slots, device
+) -> StateLists | None:
     """Reserve states for the page boundaries that `segs` complete and return their gather lists.
     `segs`: (slot, start L, stored tokens n, first row of the segment in the step's new rows).
     A boundary b with L < b <= L + n is complete once the step stores its rows."""
@@ -248,13 +261,13 @@ def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int |
         # probation holds (a long prompt's boundaries never push out kept states), the deepest
         # first. The rest are forgotten (their slots' old states belong to earlier requests).
         # Wanted ones are reserved last, so that nothing of this step evicts them.
-        wanted = [f for f in found if (f[0], f[3]) in store.wanted][-store.capacity:]
+        wanted = [f for f in found if (f[0], f[3]) in store.wanted][-store.capacity :]
         others = [f for f in found if (f[0], f[3]) not in store.wanted]
         room = max(0, store.capacity - len(store._kept) - len(wanted))
         drop = others[: max(0, len(others) - room)]
         if drop:
             store.forget_boundaries([(f[0], f[3] - 1, 1, 0) for f in drop], token_slots)
-        found = others[len(drop):] + wanted
+        found = others[len(drop) :] + wanted
         if not found:
             return None
     slots = torch.tensor([f[0] for f in found], device=token_slots.device)
@@ -281,8 +294,16 @@ def state_lists(store: PrefixStates, segs: list, swa_ring: int, rows_ring: int |
     swa_new, swa_ring_rows, swa_take = lists(q, swa_ring)
     q4 = b - OVERLAP_ROWS + torch.arange(OVERLAP_ROWS)
     row_new, row_ring_rows, row_take = lists(q4, rows_ring)
-    return StateLists(torch.tensor([i for _, i in kept], device=device), swa_new, swa_ring_rows, swa_take,
-                      (q >= 0).to(device), row_new, row_ring_rows, row_take)
+    return StateLists(
+        torch.tensor([i for _, i in kept], device=device),
+        swa_new,
+        swa_ring_rows,
+        swa_take,
+        (q >= 0).to(device),
+        row_new,
+        row_ring_rows,
+        row_take,
+    )
 
 
 def save_states(store: PrefixStates, layer: int, sl: StateLists, st, swa_new, rows_new: dict) -> None:
@@ -305,7 +326,8 @@ def restore_state(store: PrefixStates, cache, slot: int, boundary: int) -> None:
         raise RuntimeError(
             f"dsv4_ascend: request slot {slot} resumes a cached prefix of {boundary} tokens, but no prefix "
             f"state is saved for it (token slot {key}); the radix cache must only report hits that "
-            "DSV4RadixCache.match_prefix found a state for")
+            "DSV4RadixCache.match_prefix found a state for"
+        )
     dev = cache.device
     q = torch.arange(boundary - store.window, boundary, device=dev)
     valid = q >= 0

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..distributed.layout import Layout
 from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
+from ..distributed.layout import Layout
 from ..ops.reference import Source
 from . import RMSNorm
 from .compressor import Compressor
@@ -89,25 +89,32 @@ class Attention(nn.Module):
         if self.compressor is not None:
             rp = plan.ratios[self.ratio]
             rows[COMPRESSOR] = self.compressor.project(x)
-            entries[COMPRESSOR] = self.compressor.pool_batched(rows[COMPRESSOR], st.rows[COMPRESSOR], rp,
-                                                               self.rotary, cache.dtype)
+            entries[COMPRESSOR] = self.compressor.pool_batched(
+                rows[COMPRESSOR], st.rows[COMPRESSOR], rp, self.rotary, cache.dtype
+            )
             fresh_parts.append(entries[COMPRESSOR])
         fresh = torch.cat(fresh_parts) if len(fresh_parts) > 1 else kv
         if self.indexer is not None:
             rows[INDEXER] = self.indexer.compressor.project(x)
-            entries[INDEXER] = self.indexer.compressor.pool_batched(rows[INDEXER], st.rows[INDEXER], rp,
-                                                                    self.rotary, cache.dtype)
+            entries[INDEXER] = self.indexer.compressor.pool_batched(
+                rows[INDEXER], st.rows[INDEXER], rp, self.rotary, cache.dtype
+            )
             qi, wi = self.indexer.queries(q_lat, x, cos, sin)
             committed = Source(st.entries[INDEXER], rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, 4)
             completed = Source(entries[INDEXER], rp.new_table, plan.row_seg, zeros, rp.new_hi)
             picks_com, picks_new = self.indexer.select_batched(
-                qi, wi, committed, completed, rp, T, n_swa, plan.host_groups)
+                qi, wi, committed, completed, rp, T, n_swa, plan.host_groups
+            )
             extra = [picks_com._replace(pool=st.kv), picks_new._replace(pool=fresh)]
         elif self.compressor is not None:  # HCA: every visible entry
-            extra = [Source(st.kv, rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, self.ratio, n_swa),
-                     Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, None, 1, T)]
-        sources = [Source(st.kv, plan.swa_com, None, plan.swa_com_lo, plan.swa_com_hi),
-                   Source(fresh, plan.swa_fresh, None, plan.swa_fresh_lo, plan.swa_fresh_hi)] + extra
+            extra = [
+                Source(st.kv, rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, self.ratio, n_swa),
+                Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, None, 1, T),
+            ]
+        sources = [
+            Source(st.kv, plan.swa_com, None, plan.swa_com_lo, plan.swa_com_hi),
+            Source(fresh, plan.swa_fresh, None, plan.swa_fresh_lo, plan.swa_fresh_hi),
+        ] + extra
         out = ops.sparse_attention_sources(q, sources, self.attn_sink, self.head_dim**-0.5)
         writes = LayerWrites(self.layer_id, plan, kv, rows, entries)
         if pending is None:

@@ -85,8 +85,18 @@ class Compressor(nn.Module):
         ring_kv, ring_gate = (t.flatten(0, 1) for t in ring)
         # Rows that do not exist (before position 0) get weight 0 and are zeroed first: 0 * garbage
         # (a never-written ring row may hold NaN) must stay 0.
-        pooled = ops.block_pool(ring_kv, ring_gate, kv_new, gate_new, rp.blk_ring, rp.blk_fresh, rp.blk_from_ring,
-                                rp.blk_ok, self.ape, self.overlap)
+        pooled = ops.block_pool(
+            ring_kv,
+            ring_gate,
+            kv_new,
+            gate_new,
+            rp.blk_ring,
+            rp.blk_fresh,
+            rp.blk_from_ring,
+            rp.blk_ok,
+            self.ape,
+            self.overlap,
+        )
         return self._finish(pooled, rp.ent_j, rotary, out_dtype)
 
     def segment_entries(self, rows_new, start: int, read_rows, rotary, out_dtype):

@@ -34,6 +34,7 @@ def _order_keys(scores: torch.Tensor, j: torch.Tensor, ok: torch.Tensor) -> torc
     keys = (ordered << 32) | (0xFFFFFFFF - j)
     return keys.masked_fill(~ok, _INVALID)
 
+
 # How equal index scores are ordered. ReLU makes exact ties (score 0: every head's q·k <= 0) common
 # when there are few indexer heads. "lowest_index" (default): a stable order, earlier entries first,
 # so the selection does not depend on how many entries the forward holds -> chunked prefill, decode
@@ -126,10 +127,18 @@ class Indexer(nn.Module):
             best = torch.full((b - a, 0), _INVALID, dtype=torch.int64, device=dev)
             parts = [(committed, 0, n_com), (fresh, None, n_new)]
             if TIE_BREAK == "torch_topk":  # one unchunked top-k over every candidate in entry order
-                cand = [self._candidate_scores(q, w, src, a, b, 0, width, _shared(groups_cpu, i, a, b))
-                        for i, (src, _, width) in enumerate(parts)]
+                cand = [
+                    self._candidate_scores(q, w, src, a, b, 0, width, _shared(groups_cpu, i, a, b))
+                    for i, (src, _, width) in enumerate(parts)
+                ]
                 scores = torch.cat([c[0] for c in cand], 1)
-                jj = torch.cat([torch.arange(n_com, device=dev).expand(b - a, -1), j0[a:b, None] + torch.arange(n_new, device=dev)], 1)
+                jj = torch.cat(
+                    [
+                        torch.arange(n_com, device=dev).expand(b - a, -1),
+                        j0[a:b, None] + torch.arange(n_new, device=dev),
+                    ],
+                    1,
+                )
                 ok = torch.cat([c[1] for c in cand], 1)
                 pick = scores.masked_fill(~ok, float("-inf")).topk(k, dim=-1).indices
                 sel[a:b], sel_ok[a:b] = jj.gather(1, pick), ok.gather(1, pick)
@@ -149,8 +158,10 @@ class Indexer(nn.Module):
         com_rows = _pick(committed.table, committed.group, sel)
         new_rows = _pick(fresh.table, fresh.group, sel - j0[:, None])
         zeros, full = j0.new_zeros(T), j0.new_full((T,), k)
-        return (Source(None, com_rows, None, zeros, full, sel_ok & is_com, committed.div, n_swa),
-                Source(None, new_rows, None, zeros, full, sel_ok & ~is_com, 1, T))
+        return (
+            Source(None, com_rows, None, zeros, full, sel_ok & is_com, committed.div, n_swa),
+            Source(None, new_rows, None, zeros, full, sel_ok & ~is_com, 1, T),
+        )
 
     def _candidate_scores(self, q, w, src, a: int, b: int, c0: int, c1: int, shared=None):
         """Scores [b-a, c1-c0] of candidates c0..c1-1 of one source for rows a..b-1, and visibility.

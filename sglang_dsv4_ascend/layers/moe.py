@@ -23,7 +23,11 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float, dtype=None, device=None):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
-        self.w1, self.w3, self.w2 = nn.Linear(dim, inter, **kw), nn.Linear(dim, inter, **kw), nn.Linear(inter, dim, **kw)
+        self.w1, self.w3, self.w2 = (
+            nn.Linear(dim, inter, **kw),
+            nn.Linear(dim, inter, **kw),
+            nn.Linear(inter, dim, **kw),
+        )
         self.limit = limit
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
@@ -69,8 +73,9 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, cfg.hash_layers[layer_id], dtype, device)
         self.experts = nn.ModuleDict({str(e): Expert(d, part, lim, dtype, device) for e in self.local})
         n_shared = cfg.n_shared_experts
-        self.shared_experts = (Expert(d, inter * n_shared // self.layout.tp_size, lim, dtype, device)
-                               if n_shared else None)
+        self.shared_experts = (
+            Expert(d, inter * n_shared // self.layout.tp_size, lim, dtype, device) if n_shared else None
+        )
         self._stacked = None
         # torch._grouped_mm needs 16-byte-aligned row strides (and exists since torch 2.8).
         self._grouped = hasattr(torch, "_grouped_mm") and d % 8 == 0 and inter % 8 == 0
@@ -114,8 +119,11 @@ class MoE(nn.Module):
         counts = torch.zeros(E + 1, dtype=torch.int64, device=y.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts[:E], 0).to(torch.int32)
         x = y[token]
-        h = ops.swiglu_clamped(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
-                               torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), self.limit)
+        h = ops.swiglu_clamped(
+            torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+            torch._grouped_mm(x, w3.transpose(1, 2), offs=offs),
+            self.limit,
+        )
         routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float() * weights.flatten()[order, None]
         if self.layout.sharded:
             routed = torch.where(here[order, None], routed, 0.0)

@@ -32,7 +32,8 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.layout.attn_all_reduce(torch.where(here.unsqueeze(-1), rows, 0))
 
     def extra_repr(self) -> str:
-        return f"vocab rows [{self.first}, {self.first + self.num_embeddings}) of {self.vocab_size}, dim {self.embedding_dim}"
+        rows = f"[{self.first}, {self.first + self.num_embeddings})"
+        return f"vocab rows {rows} of {self.vocab_size}, dim {self.embedding_dim}"
 
 
 def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> torch.Tensor:
@@ -47,8 +48,9 @@ def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False) 
     return torch.matmul(hidden.to(dtype), weight.to(dtype).T)
 
 
-def head_logits(head: nn.Linear, hidden: torch.Tensor, layout: Layout, vocab_size: int,
-                fp32: bool = False) -> torch.Tensor:
+def head_logits(
+    head: nn.Linear, hidden: torch.Tensor, layout: Layout, vocab_size: int, fp32: bool = False
+) -> torch.Tensor:
     """fp32 logits [T, vocab] from `head` (this rank's vocabulary rows when vocab-parallel), with
     the served head's rounding (head_matmul)."""
     local = head_matmul(hidden, head.weight, fp32)

@@ -16,14 +16,14 @@ from ..checkpoint import read_index
 from ..config import DSV4Config
 from ..distributed.layout import Layout, log_layout
 from ..distributed.sharding import rank_part
+from ..layers.vocab_parallel import GatheredHead
 from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
 from ..quantization.w8a8 import apply_quant_description, load_w8a8_weights, w8a8_rank_part
-from ..layers.vocab_parallel import GatheredHead
-from .trunk import DSV4Model
-from .nextn import PREFIX as NEXTN_PREFIX
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
 from .dspark import PREFIX as DSPARK_PREFIX
+from .nextn import PREFIX as NEXTN_PREFIX
 from .nextn import NextN
+from .trunk import DSV4Model
 from .weights import iter_checkpoint, load_released_weights
 
 
@@ -49,9 +49,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.quant_description = None
         if quant_config is not None:
             if quant_config.get_name() != QUANT_METHOD:
-                raise ValueError(f"sglang_dsv4_ascend DeepSeek-V4: --quantization {quant_config.get_name()!r} is "
-                                 "not supported; use a bf16 checkpoint or a ModelSlim W8A8 one with "
-                                 f"--quantization {QUANT_METHOD}")
+                raise ValueError(
+                    f"sglang_dsv4_ascend DeepSeek-V4: --quantization {quant_config.get_name()!r} is "
+                    "not supported; use a bf16 checkpoint or a ModelSlim W8A8 one with "
+                    f"--quantization {QUANT_METHOD}"
+                )
             self.quant_description = quant_config.description
             apply_quant_description(self.model, self.quant_description)
         # compute_logits returns the whole vocabulary on every rank (a vocab-parallel head gathers
@@ -103,13 +105,20 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights):
         path = getattr(self.config, "_name_or_path", None)
         source = _weight_files(path)
-        presliced = (self.layout.sharded and bool(path) and os.path.isdir(path)
-                     and any(f.endswith(".safetensors") for f in os.listdir(path)))
+        presliced = (
+            self.layout.sharded
+            and bool(path)
+            and os.path.isdir(path)
+            and any(f.endswith(".safetensors") for f in os.listdir(path))
+        )
         if presliced:
             # Each rank reads only its part of the checkpoint (float or W8A8); SGLang's iterator,
             # which would read every tensor whole on every rank, is left unread.
-            part = (rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
-                    if self.quant_description is None else w8a8_rank_part(self.model))
+            part = (
+                rank_part(self.layout, self.cfg.n_routed_experts, self.cfg.o_groups)
+                if self.quant_description is None
+                else w8a8_rank_part(self.model)
+            )
             weights = iter_checkpoint(path, skip=None, part=part)
         draft = []
         if self.nextn is not None:  # one pass over the checkpoint: set the draft's tensors aside
@@ -133,10 +142,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 # (configs/update_config.adjust_config_with_unaligned_cpu_tp) and keeps the checkpoint's values as
 # original_*. Our layout splits the real shapes (whole output groups, whole experts) and refuses
 # what it cannot split, so the model is built from the checkpoint's values.
-_PADDED = {"num_attention_heads": "original_num_attention_heads",
-           "num_key_value_heads": "original_total_num_kv_heads",
-           "moe_intermediate_size": "original_moe_intermediate_size",
-           "intermediate_size": "original_intermediate_size"}
+_PADDED = {
+    "num_attention_heads": "original_num_attention_heads",
+    "num_key_value_heads": "original_total_num_kv_heads",
+    "moe_intermediate_size": "original_moe_intermediate_size",
+    "intermediate_size": "original_intermediate_size",
+}
 
 
 def _checkpoint_shapes(config):

@@ -36,8 +36,8 @@ from .. import ops
 from ..config import DSV4Config
 from ..layers import RMSNorm
 from ..layers.mhc import hc_head
-from .trunk import Block, add_hc_head, cast_params
 from .nextn import draft_config
+from .trunk import Block, add_hc_head, cast_params
 from .weights import iter_checkpoint, load_released_weights
 
 N_STAGES = 3
@@ -144,8 +144,7 @@ def load_sts(path: str | None) -> list[float] | None:
         raise ValueError(f"{flag} {path}: cannot read a JSON calibration file ({e})") from e
     temps = data.get("temperatures") if isinstance(data, dict) else data
     if not isinstance(temps, list) or not temps or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
-        raise ValueError(f"{flag} {path}: expected {{\"temperatures\": "
-                         "[T_1, T_2, ...]}} with positive numbers")
+        raise ValueError(f'{flag} {path}: expected {{"temperatures": [T_1, T_2, ...]}}}} with positive numbers')
     return [float(t) for t in temps]
 
 
@@ -155,15 +154,20 @@ class DSparkDraft(nn.Module):
     def __init__(self, cfg: DSV4Config, dtype=torch.float32, device=None, confidence_bias: bool = True):
         super().__init__()
         if not cfg.dspark_target_layer_ids or cfg.dspark_markov_rank is None or cfg.dspark_noise_token_id is None:
-            raise ValueError("DSpark draft: the checkpoint config needs dspark_target_layer_ids, dspark_markov_rank "
-                             "and dspark_noise_token_id")
+            raise ValueError(
+                "DSpark draft: the checkpoint config needs dspark_target_layer_ids, dspark_markov_rank "
+                "and dspark_noise_token_id"
+            )
         self.cfg, self.dtype = cfg, dtype
         dcfg = draft_config(cfg)
         if cfg.dspark_n_routed_experts or cfg.dspark_num_experts_per_tok:
             import dataclasses
 
-            dcfg = dataclasses.replace(dcfg, n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
-                                       num_experts_per_tok=cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok)
+            dcfg = dataclasses.replace(
+                dcfg,
+                n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
+                num_experts_per_tok=cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok,
+            )
         d, V, r = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
         self.mtp = nn.ModuleList(Stage(dcfg, 0, dtype, device) for _ in range(N_STAGES))
         first, last = self.mtp[0], self.mtp[-1]
@@ -192,8 +196,9 @@ class DSparkDraft(nn.Module):
         return first.main_norm(first.main_proj(torch.cat(parts, dim=-1)))
 
     @torch.no_grad()
-    def inject(self, cache: DSparkCache, feat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-               before_store=None) -> None:
+    def inject(
+        self, cache: DSparkCache, feat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, before_store=None
+    ) -> None:
         """Store every stage's context K/V for target features `feat` [n, d] of (slot, position).
         `before_store(stage, kv, ring)`: called with each stage's new rows before they overwrite
         its ring (the prefix states copy boundary windows there)."""
@@ -214,8 +219,16 @@ class DSparkDraft(nn.Module):
 
     # -- the block --------------------------------------------------------------------------------
     @torch.no_grad()
-    def block(self, cache: DSparkCache, slots, starts, anchors: torch.Tensor, gamma: int, embed: nn.Embedding,
-              head: Callable[[torch.Tensor], torch.Tensor]):
+    def block(
+        self,
+        cache: DSparkCache,
+        slots,
+        starts,
+        anchors: torch.Tensor,
+        gamma: int,
+        embed: nn.Embedding,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ):
         """Base logits U [n, gamma, V] (fp32) and confidence features h [n, gamma, d] of each
         request's block [anchor, noise x (gamma - 1)] at positions L .. L + gamma - 1. `embed`
         and `head` (hidden -> fp32 logits over the whole vocabulary: the target's compute_logits,

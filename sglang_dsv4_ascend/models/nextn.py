@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
-from ..layers import RMSNorm
-from ..layers.mhc import hc_head
 from ..kvcache import plan as kv_plan
 from ..kvcache.cache import DSV4Cache
+from ..layers import RMSNorm
+from ..layers.mhc import hc_head
 from .trunk import Block, add_hc_head, cast_params, check_batch
 from .weights import iter_checkpoint, load_released_weights
 
@@ -34,8 +34,9 @@ PREFIX = "mtp.0."
 
 def draft_config(cfg: DSV4Config) -> DSV4Config:
     """The config a one-layer draft sees: its layer 0 is SWA-only and never hash-routed."""
-    return dataclasses.replace(cfg, num_hidden_layers=1, compress_ratios=(0,), hash_layers=(False,),
-                               draft_compress_ratios=())
+    return dataclasses.replace(
+        cfg, num_hidden_layers=1, compress_ratios=(0,), hash_layers=(False,), draft_compress_ratios=()
+    )
 
 
 def has_nextn(names) -> bool:
@@ -78,6 +79,7 @@ class NextN(Block):
 def load_nextn_from_dir(path: str, cfg: DSV4Config, dtype=torch.float32, device=None) -> NextN:
     """The `mtp.0.*` NextN block of a checkpoint dir (tools, tests, in-process benchmarks)."""
     block = NextN(cfg, dtype=dtype, device=device)
-    load_released_weights(block, iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)), source=path,
-                          prefix=PREFIX)
+    load_released_weights(
+        block, iter_checkpoint(path, skip=lambda n: not n.startswith(PREFIX)), source=path, prefix=PREFIX
+    )
     return block.eval()

@@ -15,17 +15,15 @@ them all go through the same path.
 
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import settings
 from ..config import DSV4Config
-from ..kvcache import plan as kv_plan
-from ..kvcache.cache import DSV4Cache
 from ..distributed.dp_exchange import DPExchange
 from ..distributed.layout import Layout
+from ..kvcache import plan as kv_plan
+from ..kvcache.cache import DSV4Cache
 from ..layers import RMSNorm
 from ..layers.attention import Attention
 from ..layers.mhc import hc_head, hc_post, hc_pre
@@ -35,9 +33,23 @@ from ..layers.vocab_parallel import VocabParallelEmbedding, head_logits
 # Released in fp32 and kept in fp32 whatever the model dtype (mHC, sinks, ape, router bias), plus
 # the weights that are only ever used in fp32 (compressor projections, router): converted once at
 # load (exact from bf16) instead of on every step.
-_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", ".ape", "gate.bias",
-                  "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight")
+_FP32_SUFFIXES = (
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "attn_sink",
+    ".ape",
+    "gate.bias",
+    "compressor.wkv.weight",
+    "compressor.wgate.weight",
+    "ffn.gate.weight",
+)
 
 
 def add_hc_head(module: nn.Module, cfg: DSV4Config, device=None) -> None:
@@ -71,8 +83,7 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_id, dtype, device, layout)
 
     def forward(self, streams, input_ids, positions, segments, cache, pending=None, plan=None, exchange=None):
-        return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan),
-                        exchange)
+        return self.mix(streams, input_ids, lambda x: self.attn(x, positions, segments, cache, pending, plan), exchange)
 
     def mix(self, streams, input_ids, attend, exchange=None):
         """The block around an attention `attend(x) -> out` (the cache-backed one when serving;
@@ -95,8 +106,11 @@ class DSV4Model(nn.Module):
         d = cfg.hidden_size
         # Split by vocabulary rows over attention TP when the layout allows (layers/vocab_parallel.py).
         V = len(self.layout.vocab_rows(cfg.vocab_size))
-        self.embed = (VocabParallelEmbedding(cfg.vocab_size, d, self.layout, dtype=dtype, device=device)
-                      if self.layout.vocab_parallel(cfg.vocab_size) else nn.Embedding(V, d, dtype=dtype, device=device))
+        self.embed = (
+            VocabParallelEmbedding(cfg.vocab_size, d, self.layout, dtype=dtype, device=device)
+            if self.layout.vocab_parallel(cfg.vocab_size)
+            else nn.Embedding(V, d, dtype=dtype, device=device)
+        )
         self.layers = nn.ModuleList(Block(cfg, i, dtype, device, self.layout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.head = nn.Linear(d, V, bias=False, dtype=dtype, device=device)
@@ -109,8 +123,17 @@ class DSV4Model(nn.Module):
         return DSV4Cache(self.cfg, num_slots, max_context_len, spec_slack, dtype=self.dtype, device=device)
 
     @torch.no_grad()
-    def forward(self, input_ids, positions, segments, cache, pending: list | None = None,
-                aux: dict | None = None, plan=None, exchange=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids,
+        positions,
+        segments,
+        cache,
+        pending: list | None = None,
+        aux: dict | None = None,
+        plan=None,
+        exchange=None,
+    ) -> torch.Tensor:
         """Hidden states [T, d] after the hc head and final norm (feed to `compute_logits`).
 
         input_ids/positions: [T], the segments' tokens concatenated in order; positions must be
@@ -125,15 +148,23 @@ class DSV4Model(nn.Module):
         `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
         tokens too (distributed/dp_exchange.py; built here from the layout when not given); this
         forward may then have no rows at all."""
-        check_batch(input_ids, positions, segments, cache, padded_to=plan.T if plan is not None and plan.bucket else None,
-                     deferred=pending is not None)
+        check_batch(
+            input_ids,
+            positions,
+            segments,
+            cache,
+            padded_to=plan.T if plan is not None and plan.bucket else None,
+            deferred=pending is not None,
+        )
         if plan is None and self.attention_impl == "batched":
             plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         # The request boundary refuses such ids (integration/request_guard.py); this is the last line, without a
         # host sync: an error here instead of an out-of-bounds gather (on CPU a RuntimeError
         # naming the range; on an accelerator a device-side assertion).
-        torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
-                            f"DSV4Model: input_ids outside the vocabulary [0, {self.cfg.vocab_size})")
+        torch._assert_async(
+            ((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
+            f"DSV4Model: input_ids outside the vocabulary [0, {self.cfg.vocab_size})",
+        )
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         keep = set(aux.get("layer_ids", ())) if aux is not None else ()
         layer_streams = {}
@@ -161,16 +192,20 @@ def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=
     """`padded_to`: the rows of a static (bucketed) plan: input_ids/positions hold the segments'
     tokens first, then padding rows (any ids in range, positions ignored)."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-        raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
-                         f"and {tuple(positions.shape)}")
+        raise ValueError(
+            f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
+            f"and {tuple(positions.shape)}"
+        )
     total = sum(s.length for s in segments)
     if total != input_ids.shape[0] and padded_to != input_ids.shape[0]:
         expect = f"{total}" if padded_to is None else f"{padded_to} (the plan's bucket)"
         raise ValueError(f"segments cover {total} tokens: input_ids must have {expect}, has {input_ids.shape[0]}")
     slots = [s.slot for s in segments]
     if len(set(slots)) != len(slots) and not deferred:
-        raise ValueError(f"a slot appears twice in one forward that stores its writes: {slots} "
-                         "(only a forward with deferred writes, pending=[], may read one slot twice)")
+        raise ValueError(
+            f"a slot appears twice in one forward that stores its writes: {slots} "
+            "(only a forward with deferred writes, pending=[], may read one slot twice)"
+        )
     # Checked where it costs nothing (CPU tensors); on a device it would be a host sync per forward.
     if positions.device.type == "cpu":
         expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions

@@ -28,8 +28,11 @@ def _where(name: str, file) -> str:
     return f" (file {file})" if file else ""
 
 
-_QUANT_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                   "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+_QUANT_DTYPES = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+)
 _PACKED_DTYPES = (torch.int8, torch.uint8)  # FP4 experts ship packed two per byte
 
 
@@ -51,8 +54,9 @@ def is_ignored(name: str) -> bool:
     return name.startswith("mtp.")
 
 
-def load_released_weights(model: DSV4Model, weights: Iterable, source=None, prefix: str = "",
-                          presliced: bool = False) -> None:
+def load_released_weights(
+    model: DSV4Model, weights: Iterable, source=None, prefix: str = "", presliced: bool = False
+) -> None:
     """Copy released tensors into `model`.
 
     weights: (name, tensor) or (name, tensor, file) items. source: a file/dir name for all tensors,
@@ -75,12 +79,14 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
     for item in weights:
         name, tensor = item[0], item[1]
         file = file_of(name, item[2] if len(item) > 2 else None)
-        if (is_ignored(name) if not prefix else not name.startswith(prefix)):
+        if is_ignored(name) if not prefix else not name.startswith(prefix):
             continue
         if name.endswith(_QUANT_SUFFIXES):
-            raise ValueError(f"tensor {name!r}{_where(name, file)} is a quantization scale: FP8/FP4 released weights "
-                             "are not supported yet; use a bf16/fp16/fp32 checkpoint or a ModelSlim W8A8 checkpoint "
-                             "with --quantization w8a8_ascend")
+            raise ValueError(
+                f"tensor {name!r}{_where(name, file)} is a quantization scale: FP8/FP4 released weights "
+                "are not supported yet; use a bf16/fp16/fp32 checkpoint or a ModelSlim W8A8 checkpoint "
+                "with --quantization w8a8_ascend"
+            )
         if tensor.is_floating_point() and tensor.dtype not in _FLOAT_OK:
             raise _dtype_error(name, tensor.dtype, file)
         if layout is not None and layout.sharded and not presliced:  # this rank's slice, or another rank's
@@ -88,15 +94,18 @@ def load_released_weights(model: DSV4Model, weights: Iterable, source=None, pref
             try:
                 tensor = shard(name, tensor, layout, model.cfg.n_routed_experts, model.cfg.o_groups)
             except ValueError as e:
-                raise ValueError(f"tensor {name!r}{_where(name, file)} with shape {shape}: cannot split it for "
-                                 f"{layout.describe()}: {e}") from None
+                raise ValueError(
+                    f"tensor {name!r}{_where(name, file)} with shape {shape}: cannot split it for "
+                    f"{layout.describe()}: {e}"
+                ) from None
             if tensor is SKIP:
                 continue
         target = targets.get(name)
         if target is None:
             raise ValueError(
-                f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: {type(model).__name__} has no "
-                f"such parameter (config: {model.cfg.num_hidden_layers} layers, ratios {list(model.cfg.compress_ratios)})"
+                f"unexpected tensor {name!r}{_where(name, file)} with shape {tuple(tensor.shape)}: "
+                f"{type(model).__name__} has no such parameter (config: {model.cfg.num_hidden_layers} layers, "
+                f"ratios {list(model.cfg.compress_ratios)})"
             )
         if target.is_floating_point() and not tensor.is_floating_point():
             raise _dtype_error(name, tensor.dtype, file)

@@ -83,9 +83,14 @@ def _contiguous(w):
 
 def _build(family: str) -> Kernels:
     hot = {name: getattr(reference, name) for name in HOT_OPS}
-    w8a8 = dict(weight_layout="nk", prepare_weight=_contiguous, dynamic_quant=quant.dynamic_quant,
-                static_quant=quant.static_quant, quant_matmul=quant.quant_matmul,
-                grouped_quant_matmul=quant.grouped_quant_matmul)
+    w8a8 = dict(
+        weight_layout="nk",
+        prepare_weight=_contiguous,
+        dynamic_quant=quant.dynamic_quant,
+        static_quant=quant.static_quant,
+        quant_matmul=quant.quant_matmul,
+        grouped_quant_matmul=quant.grouped_quant_matmul,
+    )
     if family in ("cpu", "triton"):
         from . import scripted
 
@@ -95,17 +100,28 @@ def _build(family: str) -> Kernels:
         from .triton.compress_pool import block_pool
         from .triton.sparse_attention import sparse_attention_sources, sparse_attention_with_sink
 
-        hot.update(sparse_attention_with_sink=sparse_attention_with_sink,
-                   sparse_attention_sources=sparse_attention_sources, block_pool=block_pool)
+        hot.update(
+            sparse_attention_with_sink=sparse_attention_with_sink,
+            sparse_attention_sources=sparse_attention_sources,
+            block_pool=block_pool,
+        )
         w8a8.update(dynamic_quant=triton_quant.dynamic_quant, quant_matmul=triton_quant.quant_matmul)
     if family == "npu":
         from . import npu  # never imports torch_npu itself: its functions do, when called
 
-        hot.update(rms_norm=npu.rms_norm, sparse_attention_with_sink=npu.sparse_attention_with_sink,
-                   sparse_attention_sources=npu.sparse_attention_sources)
-        w8a8 = dict(weight_layout="kn", prepare_weight=npu.prepare_weight, dynamic_quant=npu.dynamic_quant,
-                    static_quant=npu.static_quant, quant_matmul=npu.quant_matmul,
-                    grouped_quant_matmul=npu.grouped_quant_matmul)
+        hot.update(
+            rms_norm=npu.rms_norm,
+            sparse_attention_with_sink=npu.sparse_attention_with_sink,
+            sparse_attention_sources=npu.sparse_attention_sources,
+        )
+        w8a8 = dict(
+            weight_layout="kn",
+            prepare_weight=npu.prepare_weight,
+            dynamic_quant=npu.dynamic_quant,
+            static_quant=npu.static_quant,
+            quant_matmul=npu.quant_matmul,
+            grouped_quant_matmul=npu.grouped_quant_matmul,
+        )
     return Kernels(family=family, **hot, **w8a8)
 
 

@@ -68,8 +68,9 @@ def dynamic_quant(x: torch.Tensor, smooth: Optional[torch.Tensor] = None):
     return tnpu.npu_dynamic_quant(x, smooth_scales=smooth)
 
 
-def static_quant(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor,
-                 param_dtype=torch.bfloat16) -> torch.Tensor:
+def static_quant(
+    x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor, param_dtype=torch.bfloat16
+) -> torch.Tensor:
     """npu_quantize(x, P(1/P(scale)) expanded to K, P(offset) expanded to K, qint8, axis=-1,
     div_mode=False), P = parameter dtype, as SGLang's NPUW8A8Int8LinearMethod. The expansion is
     recomputed per call here (cheap); a serving path would cache it at load.
@@ -82,8 +83,14 @@ def static_quant(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch
     return _torch_npu().npu_quantize(x, recip, off, torch.qint8, -1, False)
 
 
-def quant_matmul(xq: torch.Tensor, w_kn: torch.Tensor, w_scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+def quant_matmul(
+    xq: torch.Tensor,
+    w_kn: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype=torch.bfloat16,
+) -> torch.Tensor:
     """npu_quant_matmul(xq, W[K, N] (NZ), scale, pertoken_scale=x_scale, bias=bias, output_dtype).
     Unverified on NPU hardware: never run on an NPU by this project."""
     kw = dict(bias=bias, output_dtype=out_dtype)
@@ -92,14 +99,27 @@ def quant_matmul(xq: torch.Tensor, w_kn: torch.Tensor, w_scale: torch.Tensor, x_
     return _torch_npu().npu_quant_matmul(xq, w_kn, w_scale.reshape(-1), **kw)
 
 
-def grouped_quant_matmul(xq: torch.Tensor, w_ekn: torch.Tensor, scales: torch.Tensor, per_token: torch.Tensor,
-                         group_list: torch.Tensor, group_list_type: int = 0, out_dtype=torch.bfloat16) -> torch.Tensor:
+def grouped_quant_matmul(
+    xq: torch.Tensor,
+    w_ekn: torch.Tensor,
+    scales: torch.Tensor,
+    per_token: torch.Tensor,
+    group_list: torch.Tensor,
+    group_list_type: int = 0,
+    out_dtype=torch.bfloat16,
+) -> torch.Tensor:
     """npu_grouped_matmul([xq], [W[E, K, N] (NZ)], scale=[S[E, N]], per_token_scale=[t], group_list,
     split_item=2, group_type=0, group_list_type, output_dtype) -> one [M, N] tensor.
     Unverified on NPU hardware: never run on an NPU by this project."""
     out = _torch_npu().npu_grouped_matmul(
-        [xq], [w_ekn], scale=[scales.reshape(scales.shape[0], -1)], per_token_scale=[per_token.reshape(-1)],
-        group_list=group_list.to(torch.int64), split_item=2, group_type=0, group_list_type=group_list_type,
+        [xq],
+        [w_ekn],
+        scale=[scales.reshape(scales.shape[0], -1)],
+        per_token_scale=[per_token.reshape(-1)],
+        group_list=group_list.to(torch.int64),
+        split_item=2,
+        group_type=0,
+        group_list_type=group_list_type,
         output_dtype=out_dtype,
     )
     return out[0]
@@ -164,9 +184,18 @@ def _attend_fia(q, kv, ok, sink, scale: float):
     out = torch.empty(t, H, D, dtype=q.dtype, device=q.device)
     for h0 in range(0, H, MAX_HEADS_PER_CALL):
         h = min(H, h0 + MAX_HEADS_PER_CALL) - h0
-        o, lse = fia(q[:, h0:h0 + h].reshape(t, 1, h, D).contiguous(), key, key, atten_mask=mask, num_heads=h,
-                     scale=float(scale), input_layout="BSND", num_key_value_heads=1, softmax_lse_flag=True)
-        out[:, h0:h0 + h] = _with_sink(o.reshape(t, h, D), lse.reshape(t, h), sink[h0:h0 + h]).to(q.dtype)
+        o, lse = fia(
+            q[:, h0 : h0 + h].reshape(t, 1, h, D).contiguous(),
+            key,
+            key,
+            atten_mask=mask,
+            num_heads=h,
+            scale=float(scale),
+            input_layout="BSND",
+            num_key_value_heads=1,
+            softmax_lse_flag=True,
+        )
+        out[:, h0 : h0 + h] = _with_sink(o.reshape(t, h, D), lse.reshape(t, h), sink[h0 : h0 + h]).to(q.dtype)
     return out.masked_fill_(~ok.any(dim=1)[:, None, None], 0)
 
 
@@ -211,5 +240,11 @@ def sparse_attention_sources(q, sources, sink, scale: float, max_chunk_elems: in
     if q.dtype not in FIA_DTYPES:
         return reference.sparse_attention_sources(q, sources, sink, scale, max_chunk_elems)
     sources = [s for s in sources if s.table.shape[-1] > 0]
-    return _attend_chunks(q, sink, scale, sum(s.table.shape[-1] for s in sources), max_chunk_elems,
-                          lambda a, b: reference.gather_sources(sources, a, b, q.dtype))
+    return _attend_chunks(
+        q,
+        sink,
+        scale,
+        sum(s.table.shape[-1] for s in sources),
+        max_chunk_elems,
+        lambda a, b: reference.gather_sources(sources, a, b, q.dtype),
+    )

@@ -12,8 +12,9 @@ Bit rules (all "fp32" below is IEEE binary32 with round-to-nearest-even, no fuse
       scale_m = amax_m * fp32(1/127)                       (one fp32 multiply)
       q[m, k] = saturate_int8(round_half_even(x32[m, k] / scale_m))   (IEEE fp32 division)
   |q| <= 127 (the amax element's quotient is 127 up to fp32 rounding, e.g. 127.00001 -> 127;
-  -128 never occurs; saturation matters only for non-finite input or a subnormal scale). An all-zero row (scale 0, 0/0) gives scale 0 and q 0: a guard of this reference,
-  UNVERIFIED on hardware. Same for a row whose scale underflows to 0.
+  -128 never occurs; saturation matters only for non-finite input or a subnormal scale). An
+  all-zero row (scale 0, 0/0) gives scale 0 and q 0: a guard of this reference, UNVERIFIED on
+  hardware. Same for a row whose scale underflows to 0.
 * `static_quant` (npu_quantize, div_mode=False, as SGLang's NPUW8A8Int8LinearMethod calls it):
       recip = P(1 / P(input_scale))      P = the parameter dtype (bf16): both roundings in P
       off   = P(input_offset)
@@ -112,8 +113,9 @@ def static_recip_offset(input_scale: torch.Tensor, input_offset: torch.Tensor, p
     return recip, input_offset.to(param_dtype)
 
 
-def static_quant(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor,
-                 param_dtype=torch.bfloat16) -> torch.Tensor:
+def static_quant(
+    x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor, param_dtype=torch.bfloat16
+) -> torch.Tensor:
     """Per-tensor static int8 as SGLang runs it on the NPU (npu_quantize, div_mode=False):
     q = saturate_int8(round_half_even(fp32(x) * fp32(recip) + fp32(offset))) with
     recip = P(1 / P(input_scale)), P = the parameter dtype (bf16 for a bf16 model).
@@ -241,8 +243,9 @@ def int8_method(device, M: int, K: int, N: int) -> str:
             t0 = time.perf_counter()
             _methods[key] = probe_int8_method(device, key[1], key[2], key[3])
             _probe_spent[0] += time.perf_counter() - t0
-        logger.info("W8A8 int8 GEMM on %s, M<=%d, K<=%d, N<=%d: %s (%s)", *key, _methods[key]["method"],
-                    _methods[key]["why"])
+        logger.info(
+            "W8A8 int8 GEMM on %s, M<=%d, K<=%d, N<=%d: %s (%s)", *key, _methods[key]["method"], _methods[key]["why"]
+        )
     return _methods[key]["method"]
 
 
@@ -329,8 +332,13 @@ def _truncate_fp16_deq(scale32: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def dequant(acc: torch.Tensor, scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
-            bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+def dequant(
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    x_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype=torch.bfloat16,
+) -> torch.Tensor:
     """npu_quant_matmul's epilogue on an exact accumulator (any dtype holding integers, [M, N]).
 
     scale: [N] or [N, 1] (bf16 / fp32: upcast exactly; int64: ModelSlim deq format);
@@ -353,9 +361,17 @@ def dequant(acc: torch.Tensor, scale: torch.Tensor, x_scale: Optional[torch.Tens
     return y.to(out_dtype)
 
 
-def quant_matmul(xq: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, *, w_layout: str = "nk",
-                 method: str = "auto") -> torch.Tensor:
+def quant_matmul(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype=torch.bfloat16,
+    *,
+    w_layout: str = "nk",
+    method: str = "auto",
+) -> torch.Tensor:
     """npu_quant_matmul: out_dtype(dequant(exact int product)). xq int8 [M, K]; wq int8 [N, K] ('nk')
     or [K, N] ('kn'); w_scale [N] (per-token path: the weight scale; static path: deq_scale);
     x_scale fp32 [M] per-token scale or None; bias int32 (before dequant) or float (after)."""
@@ -384,9 +400,18 @@ def group_bounds(group_list: torch.Tensor, group_list_type: int) -> list:
     return bounds
 
 
-def grouped_quant_matmul(xq: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, per_token: torch.Tensor,
-                         group_list: torch.Tensor, group_list_type: int = 0, out_dtype=torch.bfloat16, *,
-                         w_layout: str = "nk", method: str = "auto") -> torch.Tensor:
+def grouped_quant_matmul(
+    xq: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    per_token: torch.Tensor,
+    group_list: torch.Tensor,
+    group_list_type: int = 0,
+    out_dtype=torch.bfloat16,
+    *,
+    w_layout: str = "nk",
+    method: str = "auto",
+) -> torch.Tensor:
     """npu_grouped_matmul (int8, per-token, single output): xq int8 [M, K] sorted by expert;
     w int8 [E, N, K] ('nk') or [E, K, N] ('kn'); scales [E, N] (or [E, N, 1]); per_token fp32 [M].
     Rows past the last group are 0 (the device leaves them unwritten)."""
@@ -400,8 +425,9 @@ def grouped_quant_matmul(xq: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
     out = torch.zeros(xq.shape[0], N, dtype=out_dtype, device=xq.device)
     for g, (a, b) in enumerate(bounds):
         if b > a:
-            out[a:b] = quant_matmul(xq[a:b], w[g], scales[g], per_token[a:b], None, out_dtype,
-                                    w_layout=w_layout, method=method)
+            out[a:b] = quant_matmul(
+                xq[a:b], w[g], scales[g], per_token[a:b], None, out_dtype, w_layout=w_layout, method=method
+            )
     return out
 
 
@@ -432,9 +458,18 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     return order // k, order, counts[:num_experts]
 
 
-def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-             w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
-             out_dtype=None, ops=None) -> torch.Tensor:
+def moe_w8a8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float,
+    out_dtype=None,
+    ops=None,
+) -> torch.Tensor:
     """The routed-expert W8A8 chain (module docstring). x [T, d]; topk_ids/weights [T, k];
     w13 [E, 2I, d] (gate rows first), w2 [E, d, I] in the `ops` bundle's weight layout;
     scales [E, 2I] / [E, d]; `ops`: a kernel family's table (`ops.kernels(...)`; default: this module's
@@ -463,8 +498,19 @@ def moe_w8a8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 _REFERENCE = SimpleNamespace(dynamic_quant=dynamic_quant, grouped_quant_matmul=grouped_quant_matmul)
 
 __all__ = [
-    "dequant", "deq_scale_fp32_to_int64", "deq_scale_int64_to_fp32", "dynamic_quant",
-    "group_bounds", "grouped_quant_matmul", "int8_matmul", "moe_w8a8", "quant_matmul",
-    "round_half_even", "saturate_int8", "sort_by_expert", "static_quant", "static_recip_offset",
+    "dequant",
+    "deq_scale_fp32_to_int64",
+    "deq_scale_int64_to_fp32",
+    "dynamic_quant",
+    "group_bounds",
+    "grouped_quant_matmul",
+    "int8_matmul",
+    "moe_w8a8",
+    "quant_matmul",
+    "round_half_even",
+    "saturate_int8",
+    "sort_by_expert",
+    "static_quant",
+    "static_recip_offset",
     "swiglu_clamped",
 ]

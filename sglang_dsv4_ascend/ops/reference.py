@@ -117,7 +117,9 @@ def softmax_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * w).sum(dim=1)
 
 
-def pool_block_rows(kv: torch.Tensor, gate: torch.Tensor, ok: torch.Tensor, ape: torch.Tensor, overlap: bool) -> torch.Tensor:
+def pool_block_rows(
+    kv: torch.Tensor, gate: torch.Tensor, ok: torch.Tensor, ape: torch.Tensor, overlap: bool
+) -> torch.Tensor:
     """Compressor pooling of gathered block rows (layers/compressor.py): kv / gate [E, Lb, C] fp32
     in block order, ok [E, Lb] (False: the row does not exist, weight 0), ape [r, C] added to the
     gates by offset in the block. Without overlap Lb = r and C = D. With overlap (CSA) Lb = 2r and
@@ -134,8 +136,9 @@ def pool_block_rows(kv: torch.Tensor, gate: torch.Tensor, ok: torch.Tensor, ape:
     return softmax_pool(kv, gate)
 
 
-def block_pool(ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape,
-               overlap: bool) -> torch.Tensor:
+def block_pool(
+    ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape, overlap: bool
+) -> torch.Tensor:
     """`pool_block_rows` of rows gathered from two sources: row (e, l) is ring_kv/ring_gate
     [blk_ring[e, l]] (a committed compressor ring, flattened [S * Rc, C]) where blk_from_ring,
     else new_kv/new_gate[blk_fresh[e, l]] (this forward's rows [T, C]). -> [E, D] fp32."""

@@ -24,6 +24,7 @@ from .threads import BIND_ENV, rank_core_bind, scheduler_threads
 
 logger = logging.getLogger(__name__)
 
+
 # An idle scheduler polls its sockets in a busy loop: one full core per server with no requests
 # (measured 1.01 cores on the 2-core CI machine; 0.01-0.02 with --sleep-on-idle, same throughput).
 class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
@@ -54,8 +55,11 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             server_args.sampling_backend = "pytorch"
         if not getattr(server_args, "sleep_on_idle", False) and settings.CPU_SLEEP_ON_IDLE.get():
             server_args.sleep_on_idle = True
-            logger.info("CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
-                        "core; %s=0 to keep SGLang's polling)", settings.CPU_SLEEP_ON_IDLE.name)
+            logger.info(
+                "CPU reference platform: --sleep-on-idle on (an idle scheduler would otherwise spin a "
+                "core; %s=0 to keep SGLang's polling)",
+                settings.CPU_SLEEP_ON_IDLE.name,
+            )
         ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
         if not getattr(server_args, "enable_dp_attention", False):  # plain --dp-size: that many replicas
             ranks *= getattr(server_args, "dp_size", 1) or 1
@@ -63,12 +67,18 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
             # SGLang's CPU path wants one NUMA node per rank unless told which cores each rank
             # binds (its assert names this variable); the children inherit it.
             os.environ[BIND_ENV] = rank_core_bind(ranks)
-            logger.info("CPU reference platform: %d ranks bound to cores %s (%s to change)", ranks,
-                        os.environ[BIND_ENV], BIND_ENV)
+            logger.info(
+                "CPU reference platform: %d ranks bound to cores %s (%s to change)",
+                ranks,
+                os.environ[BIND_ENV],
+                BIND_ENV,
+            )
         if getattr(server_args, "max_total_tokens", None) is None:
             server_args.max_total_tokens = CPU_MAX_TOTAL_TOKENS
-            logger.info("CPU reference platform: capping the KV pool at %d tokens "
-                        "(--max-total-tokens to change)", CPU_MAX_TOTAL_TOKENS)
+            logger.info(
+                "CPU reference platform: capping the KV pool at %d tokens (--max-total-tokens to change)",
+                CPU_MAX_TOTAL_TOKENS,
+            )
 
     def post_load_model(self, model) -> None:
         """In each scheduler process, after the model is loaded: its intra-op thread count."""
@@ -79,8 +89,9 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
         ranks = max(ranks, len([p for p in os.environ.get(BIND_ENV, "").split("|") if p]))
         n = scheduler_threads(ranks=ranks)
         torch.set_num_threads(n)
-        logger.info("CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n,
-                    settings.CPU_THREADS.name)
+        logger.info(
+            "CPU reference platform: %d intra-op thread(s) per scheduler (%s to change)", n, settings.CPU_THREADS.name
+        )
 
     def get_default_attention_backend(self) -> str:
         return "torch_native"

@@ -24,7 +24,7 @@ def rank_core_bind(ranks: int, cores: list[int] | None = None) -> str:
         cores = _cores()
     if ranks <= len(cores):
         per = len(cores) // ranks
-        parts = [cores[i * per:(i + 1) * per] for i in range(ranks)]
+        parts = [cores[i * per : (i + 1) * per] for i in range(ranks)]
     else:
         parts = [[cores[i % len(cores)]] for i in range(ranks)]
     return "|".join(",".join(map(str, p)) for p in parts)

@@ -56,8 +56,20 @@ from ..ops import quant as Q
 W8A8, W8A8_DYNAMIC, FLOAT = "W8A8", "W8A8_DYNAMIC", "FLOAT"
 QUANT_TYPES = (W8A8, W8A8_DYNAMIC)
 # Keys of quant_model_description.json that are not tensor names.
-METADATA_KEYS = frozenset({"model_quant_type", "version", "group_size", "kv_cache_type", "fa_quant_type",
-                           "reduce_quant_type", "ignore", "packed_modules_mapping", "quant_method", "metadata"})
+METADATA_KEYS = frozenset(
+    {
+        "model_quant_type",
+        "version",
+        "group_size",
+        "kv_cache_type",
+        "fa_quant_type",
+        "reduce_quant_type",
+        "ignore",
+        "packed_modules_mapping",
+        "quant_method",
+        "metadata",
+    }
+)
 DYNAMIC_SUFFIXES = ("weight", "weight_scale", "weight_offset")
 STATIC_SUFFIXES = DYNAMIC_SUFFIXES + ("input_scale", "input_offset", "quant_bias", "deq_scale")
 
@@ -70,8 +82,10 @@ V4_RECIPE = {
     "wo_b": re.compile(rf"^{_BLOCK}\.attn\.wo_b\.weight$"),  # float in the recipe, W8A8 in some checkpoints
 }
 # DSV4Model linears that are called as modules (so they can be swapped for W8A8Linear).
-_SWAPPABLE = re.compile(r"^layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.(?:wq_b|weights_proj))"
-                        r"|ffn\.shared_experts\.w[123])$")
+_SWAPPABLE = re.compile(
+    r"^layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.(?:wq_b|weights_proj))"
+    r"|ffn\.shared_experts\.w[123])$"
+)
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.(\w+)$")
 
 
@@ -114,16 +128,20 @@ def describe_scheme(desc: dict) -> dict:
     layers = {}
     for name, typ in entries.items():
         if typ not in QUANT_TYPES and typ != FLOAT:
-            raise W8A8Error(f"quant_model_description.json: {name!r} has type {typ!r}; this plugin supports "
-                            f"{W8A8!r}, {W8A8_DYNAMIC!r} and {FLOAT!r}")
+            raise W8A8Error(
+                f"quant_model_description.json: {name!r} has type {typ!r}; this plugin supports "
+                f"{W8A8!r}, {W8A8_DYNAMIC!r} and {FLOAT!r}"
+            )
         if typ in QUANT_TYPES and name.endswith(".weight"):
             layers[name[: -len(".weight")]] = typ
     for name, typ in entries.items():
         prefix, _, suffix = name.rpartition(".")
         if suffix in STATIC_SUFFIXES and suffix != "weight" and typ in QUANT_TYPES:
             if layers.get(prefix) != typ:
-                raise W8A8Error(f"quant_model_description.json: {name!r} is {typ!r} but {prefix + '.weight'!r} is "
-                                f"{entries.get(prefix + '.weight', 'absent')!r}")
+                raise W8A8Error(
+                    f"quant_model_description.json: {name!r} is {typ!r} but {prefix + '.weight'!r} is "
+                    f"{entries.get(prefix + '.weight', 'absent')!r}"
+                )
     return layers
 
 
@@ -135,8 +153,10 @@ def _check_dtype(name, tensor, want, declared):
     ok = want(tensor.dtype) if callable(want) else tensor.dtype == want
     if not ok:
         wanted = getattr(want, "__doc__", None) if callable(want) else str(want)
-        raise W8A8Error(f"tensor {name!r} is declared {declared} in {DESCRIPTION_FILE} but has dtype "
-                        f"{tensor.dtype}; expected {wanted}")
+        raise W8A8Error(
+            f"tensor {name!r} is declared {declared} in {DESCRIPTION_FILE} but has dtype "
+            f"{tensor.dtype}; expected {wanted}"
+        )
 
 
 def _float_dtype(d):
@@ -172,8 +192,18 @@ class W8A8Linear(nn.Module):
     the CPU run keeps the device's numerics.
     `process_weights_after_loading()` hands the weight to the kernel family's layout."""
 
-    def __init__(self, in_features: int, out_features: int, scheme: str = W8A8_DYNAMIC, *, name: str = "",
-                 param_dtype=torch.bfloat16, scale_dtype=torch.float32, family: Optional[str] = None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: str = W8A8_DYNAMIC,
+        *,
+        name: str = "",
+        param_dtype=torch.bfloat16,
+        scale_dtype=torch.float32,
+        family: Optional[str] = None,
+        device=None,
+    ):
         super().__init__()
         if scheme not in QUANT_TYPES:
             raise W8A8Error(f"{name or 'W8A8Linear'}: scheme must be one of {QUANT_TYPES}, got {scheme!r}")
@@ -203,8 +233,10 @@ class W8A8Linear(nn.Module):
         """Copy one checkpoint tensor `<prefix>.<suffix>`, checking dtype and shape."""
         N, K = self.out_features, self.in_features
         if suffix not in self.tensor_names():
-            raise W8A8Error(f"unexpected tensor {full_name!r}: layer {self.name!r} is {self.scheme}, whose tensors "
-                            f"are {', '.join(self.tensor_names())}")
+            raise W8A8Error(
+                f"unexpected tensor {full_name!r}: layer {self.name!r} is {self.scheme}, whose tensors "
+                f"are {', '.join(self.tensor_names())}"
+            )
         if suffix == "weight":
             _check_dtype(full_name, t, torch.int8, self.scheme)
             if tuple(t.shape) != (N, K):
@@ -216,8 +248,10 @@ class W8A8Linear(nn.Module):
         elif suffix == "weight_offset":
             off = _vector(full_name, t, N, "per-channel offset")
             if torch.any(off != 0):
-                raise W8A8Error(f"tensor {full_name!r} is nonzero: asymmetric int8 weights are not supported "
-                                "(the NPU kernels ignore weight_offset)")
+                raise W8A8Error(
+                    f"tensor {full_name!r} is nonzero: asymmetric int8 weights are not supported "
+                    "(the NPU kernels ignore weight_offset)"
+                )
             self.weight_offset.copy_(off.float())
         elif suffix in ("input_scale", "input_offset"):
             _check_dtype(full_name, t, _float_dtype, self.scheme)
@@ -268,8 +302,19 @@ class W8A8Experts(nn.Module):
     w13_weight int8 [E, 2I, d] (w1 = gate rows first, then w3 = up), w13_weight_scale [E, 2I],
     w2_weight int8 [E, d, I], w2_weight_scale [E, d]. forward runs `ops.quant.moe_w8a8`."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float, *, name: str = "",
-                 scale_dtype=torch.float32, family: Optional[str] = None, device=None, first: int = 0):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        limit: float,
+        *,
+        name: str = "",
+        scale_dtype=torch.float32,
+        family: Optional[str] = None,
+        device=None,
+        first: int = 0,
+    ):
         super().__init__()
         self.num_experts, self.hidden, self.inter, self.limit, self.name = num_experts, hidden, inter, limit, name
         self.first = first  # global id of the first expert held here (expert parallel: this rank's range)
@@ -283,14 +328,19 @@ class W8A8Experts(nn.Module):
         self._prepared = False
 
     def required_names(self) -> list:
-        return [f"{self.name}.{e}.{p}.{s}" for e in range(self.first, self.first + self.num_experts) for p in ("w1", "w2", "w3")
-                for s in ("weight", "weight_scale")]
+        return [
+            f"{self.name}.{e}.{p}.{s}"
+            for e in range(self.first, self.first + self.num_experts)
+            for p in ("w1", "w2", "w3")
+            for s in ("weight", "weight_scale")
+        ]
 
     def load_tensor(self, e: int, proj: str, suffix: str, t: torch.Tensor, full_name: str) -> None:
         E, d, I = self.num_experts, self.hidden, self.inter
         if not 0 <= e - self.first < E:
-            raise W8A8Error(f"tensor {full_name!r}: expert {e} is not held here (experts {self.first}.."
-                            f"{self.first + E - 1})")
+            raise W8A8Error(
+                f"tensor {full_name!r}: expert {e} is not held here (experts {self.first}..{self.first + E - 1})"
+            )
         e -= self.first
         n, k = (d, I) if proj == "w2" else (I, d)
         rows = slice(0, I) if proj == "w1" else slice(I, 2 * I) if proj == "w3" else slice(0, d)
@@ -307,8 +357,10 @@ class W8A8Experts(nn.Module):
             if torch.any(_vector(full_name, t, n, "per-channel offset") != 0):
                 raise W8A8Error(f"tensor {full_name!r} is nonzero: asymmetric int8 weights are not supported")
         else:
-            raise W8A8Error(f"unexpected tensor {full_name!r}: routed experts are W8A8_DYNAMIC, whose tensors are "
-                            f"weight, weight_scale, weight_offset")
+            raise W8A8Error(
+                f"unexpected tensor {full_name!r}: routed experts are W8A8_DYNAMIC, whose tensors are "
+                f"weight, weight_scale, weight_offset"
+            )
         self.loaded.add(full_name)
 
     def process_weights_after_loading(self) -> None:
@@ -319,8 +371,18 @@ class W8A8Experts(nn.Module):
 
     def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """fp32 [T, d]: sum_k w_k * expert_{e_k}(y) through the W8A8 chain."""
-        return Q.moe_w8a8(y, topk_ids, topk_weights, self.w13_weight, self.w13_weight_scale, self.w2_weight,
-                          self.w2_weight_scale, self.limit, y.dtype, ops=self.kernels)
+        return Q.moe_w8a8(
+            y,
+            topk_ids,
+            topk_weights,
+            self.w13_weight,
+            self.w13_weight_scale,
+            self.w2_weight,
+            self.w2_weight_scale,
+            self.limit,
+            y.dtype,
+            ops=self.kernels,
+        )
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, limit={self.limit}"
@@ -369,8 +431,14 @@ def _has_module(model: nn.Module, name: str) -> bool:
 
 def _model_desc(model) -> str:
     c = getattr(model, "cfg", None)
-    return (f" (config: {c.num_hidden_layers} layers, {c.n_routed_experts} routed experts, ratios "
-            f"{list(c.compress_ratios)})") if c is not None else ""
+    return (
+        (
+            f" (config: {c.num_hidden_layers} layers, {c.n_routed_experts} routed experts, ratios "
+            f"{list(c.compress_ratios)})"
+        )
+        if c is not None
+        else ""
+    )
 
 
 def _local_experts(model: nn.Module, ffn: str, e: int = 0) -> range:
@@ -400,17 +468,23 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
                 expert_entries.setdefault(ffn, {})
                 continue  # another EP rank's expert
             if not _has_module(model, f"{ffn}.experts.{e}.{proj}"):
-                raise W8A8Error(f"{DESCRIPTION_FILE} names {prefix + '.weight'!r} ({scheme}) but the model has no "
-                                f"module {prefix!r}{_model_desc(model)}")
+                raise W8A8Error(
+                    f"{DESCRIPTION_FILE} names {prefix + '.weight'!r} ({scheme}) but the model has no "
+                    f"module {prefix!r}{_model_desc(model)}"
+                )
             expert_entries.setdefault(ffn, {})[(e, proj)] = scheme
             continue
         if not _has_module(model, prefix):
-            raise W8A8Error(f"{DESCRIPTION_FILE} names {prefix + '.weight'!r} ({scheme}) but the model has no "
-                            f"layer {prefix!r}{_model_desc(model)}")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} names {prefix + '.weight'!r} ({scheme}) but the model has no "
+                f"layer {prefix!r}{_model_desc(model)}"
+            )
         if not _SWAPPABLE.match(prefix):
-            raise W8A8Error(f"{DESCRIPTION_FILE} declares {prefix + '.weight'!r} as {scheme}, but DSV4Model reads "
-                            f"{prefix!r}'s weight directly (not through a linear call), so it cannot run W8A8; "
-                            "ModelSlim's V4 recipe keeps it float (dsv4_reference.md §4.2)")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} declares {prefix + '.weight'!r} as {scheme}, but DSV4Model reads "
+                f"{prefix!r}'s weight directly (not through a linear call), so it cannot run W8A8; "
+                "ModelSlim's V4 recipe keeps it float (dsv4_reference.md §4.2)"
+            )
         if not isinstance(model.get_submodule(prefix), nn.Linear):
             raise W8A8Error(f"{DESCRIPTION_FILE}: {prefix!r} is not a linear layer")
         dense[prefix] = scheme
@@ -419,14 +493,18 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
         missing = sorted(want - set(got))
         if missing:
             shown = ", ".join(f"{ffn}.experts.{e}.{p}.weight" for e, p in missing[:4])
-            raise W8A8Error(f"{DESCRIPTION_FILE} quantizes some routed experts of {ffn!r} but not all: {shown} "
-                            f"{'and more ' if len(missing) > 4 else ''}are not W8A8_DYNAMIC (the grouped matmul "
-                            "needs every expert of a layer in int8)")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} quantizes some routed experts of {ffn!r} but not all: {shown} "
+                f"{'and more ' if len(missing) > 4 else ''}are not W8A8_DYNAMIC (the grouped matmul "
+                "needs every expert of a layer in int8)"
+            )
         static = sorted(k for k, v in got.items() if v != W8A8_DYNAMIC)
         if static:
             e, p = static[0]
-            raise W8A8Error(f"{DESCRIPTION_FILE} declares {ffn}.experts.{e}.{p}.weight as {got[static[0]]}: routed "
-                            "experts support W8A8_DYNAMIC only (as SGLang's NPU int8 MoE method)")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} declares {ffn}.experts.{e}.{p}.weight as {got[static[0]]}: routed "
+                "experts support W8A8_DYNAMIC only (as SGLang's NPU int8 MoE method)"
+            )
         moe_layers[ffn] = W8A8_DYNAMIC
     # Every other entry (FLOAT or a quantized layer's extra tensor) must name something real.
     for name, typ in tensor_entries(desc).items():
@@ -438,13 +516,15 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
             if (m and m.group(1) in moe_layers) or prefix in dense:
                 continue
         if name not in state:
-            raise W8A8Error(f"{DESCRIPTION_FILE} names tensor {name!r} ({typ}) which the model does not have"
-                            f"{_model_desc(model)}")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} names tensor {name!r} ({typ}) which the model does not have{_model_desc(model)}"
+            )
     return {"dense": dense, "moe": moe_layers}
 
 
-def apply_quant_description(model: nn.Module, desc: dict, *, family: Optional[str] = None,
-                            scale_dtype=torch.float32) -> dict:
+def apply_quant_description(
+    model: nn.Module, desc: dict, *, family: Optional[str] = None, scale_dtype=torch.float32
+) -> dict:
     """Swap `model`'s linears / MoE layers for W8A8 modules per `desc` (see `plan_quantization`).
     Layers left FLOAT keep their float modules. Returns the plan. Weights still need loading."""
     plan = plan_quantization(model, desc)
@@ -459,27 +539,49 @@ def apply_quant_description(model: nn.Module, desc: dict, *, family: Optional[st
         old = model.get_submodule(prefix)
         n_in, n_out = old.in_features, old.out_features
         if sharded and prefix.endswith("attn.wo_b"):
-            raise W8A8Error(f"{DESCRIPTION_FILE} declares {prefix + '.weight'!r} as {scheme}: under --tp-size "
-                            f"{layout.tp_size} wo_b is split by its input columns, which a W8A8 activation scale "
-                            "cannot follow; serve this checkpoint with --tp-size 1 (ModelSlim's V4 recipe keeps wo_b float)")
+            raise W8A8Error(
+                f"{DESCRIPTION_FILE} declares {prefix + '.weight'!r} as {scheme}: under --tp-size "
+                f"{layout.tp_size} wo_b is split by its input columns, which a W8A8 activation scale "
+                "cannot follow; serve this checkpoint with --tp-size 1 (ModelSlim's V4 recipe keeps wo_b float)"
+            )
         if sharded and ".shared_experts." in prefix:  # replicated whole (see W8A8MoE)
             full = model.cfg.moe_intermediate_size * model.cfg.n_shared_experts
             n_in, n_out = (full, n_out) if attr == "w2" else (n_in, full)
             replicated_shared.add(parent_name.rpartition(".")[0])
-        new = W8A8Linear(n_in, n_out, scheme, name=prefix, param_dtype=param_dtype,
-                         scale_dtype=scale_dtype, family=family, device=dev)
+        new = W8A8Linear(
+            n_in,
+            n_out,
+            scheme,
+            name=prefix,
+            param_dtype=param_dtype,
+            scale_dtype=scale_dtype,
+            family=family,
+            device=dev,
+        )
         setattr(model.get_submodule(parent_name), attr, new)
     for ffn in plan["moe"]:
         parent_name, _, attr = ffn.rpartition(".")
         moe = model.get_submodule(ffn)
         if sharded and layout.moe_tp_size != 1:
-            raise W8A8Error(f"W8A8 routed experts under --tp-size {layout.tp_size} need --ep-size {layout.tp_size}: "
-                            "splitting an expert's intermediate dimension would change its per-token activation scale")
+            raise W8A8Error(
+                f"W8A8 routed experts under --tp-size {layout.tp_size} need --ep-size {layout.tp_size}: "
+                "splitting an expert's intermediate dimension would change its per-token activation scale"
+            )
         first = next(iter(moe.experts.values()))
-        experts = W8A8Experts(len(moe.experts), first.w1.in_features, first.w1.out_features, first.limit,
-                              name=f"{ffn}.experts", scale_dtype=scale_dtype, family=family, device=dev,
-                              first=moe.local.start)
-        setattr(model.get_submodule(parent_name), attr, W8A8MoE(moe, experts, shared_replicated=ffn in replicated_shared))
+        experts = W8A8Experts(
+            len(moe.experts),
+            first.w1.in_features,
+            first.w1.out_features,
+            first.limit,
+            name=f"{ffn}.experts",
+            scale_dtype=scale_dtype,
+            family=family,
+            device=dev,
+            first=moe.local.start,
+        )
+        setattr(
+            model.get_submodule(parent_name), attr, W8A8MoE(moe, experts, shared_replicated=ffn in replicated_shared)
+        )
     return plan
 
 
@@ -541,16 +643,22 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
                 if suffix in STATIC_SUFFIXES and suffix != "weight":
                     declared_w = entries.get(prefix + ".weight", "absent")
                     hint = f": {prefix + '.weight'!r} is {declared_w!r} in {DESCRIPTION_FILE}"
-                raise W8A8Error(f"unexpected tensor {name!r}{where(file)} with shape {tuple(t.shape)}: the model "
-                                f"has no such parameter{hint}{_model_desc(model)}")
+                raise W8A8Error(
+                    f"unexpected tensor {name!r}{where(file)} with shape {tuple(t.shape)}: the model "
+                    f"has no such parameter{hint}{_model_desc(model)}"
+                )
             if declared in QUANT_TYPES:  # a quantized tensor whose layer was not swapped (cannot happen via plan)
                 raise W8A8Error(f"tensor {name!r}{where(file)} is declared {declared} but its layer is float")
             if target.is_floating_point() and not t.is_floating_point():
-                raise W8A8Error(f"tensor {name!r}{where(file)} has dtype {t.dtype} but is declared {declared} in "
-                                f"{DESCRIPTION_FILE} (a float tensor was expected)")
+                raise W8A8Error(
+                    f"tensor {name!r}{where(file)} has dtype {t.dtype} but is declared {declared} in "
+                    f"{DESCRIPTION_FILE} (a float tensor was expected)"
+                )
             if tuple(t.shape) != tuple(target.shape):
-                raise W8A8Error(f"tensor {name!r}{where(file)} has shape {tuple(t.shape)}, expected "
-                                f"{tuple(target.shape)} from the config")
+                raise W8A8Error(
+                    f"tensor {name!r}{where(file)} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(target.shape)} from the config"
+                )
             if name.endswith("tid2eid"):
                 n_exp = model.cfg.n_routed_experts
                 if t.is_floating_point() or (t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_exp)):
@@ -564,10 +672,15 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
             missing += [f"{name}.{s}" for s in mod.tensor_names(required_only=True) if f"{name}.{s}" not in loaded]
         elif isinstance(mod, W8A8Experts):
             missing += [n for n in mod.required_names() if n not in mod.loaded]
-    w8_names = {f"{n}.{b}" for n, mod in model.named_modules() if isinstance(mod, (W8A8Linear, W8A8Experts))
-                for b, _ in mod.named_buffers(recurse=False)}
+    w8_names = {
+        f"{n}.{b}"
+        for n, mod in model.named_modules()
+        if isinstance(mod, (W8A8Linear, W8A8Experts))
+        for b, _ in mod.named_buffers(recurse=False)
+    }
     missing += [n for n in state if n not in loaded and n not in w8_names]
     if missing:
+
         def why(n):
             p, _, s = n.rpartition(".")
             owner = _owner(model, p)
@@ -577,6 +690,7 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
             if m:
                 return f"{n!r} (W8A8_DYNAMIC routed expert needs {m.group(4)})"
             return repr(n)
+
         shown = ", ".join(why(n) for n in missing[:6])
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
         raise W8A8Error(f"missing tensor(s){where(None)}: {shown}{more}")
@@ -587,8 +701,11 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
             # a family whose GEMM is the reference's (reference, cpu) runs its fastest exact int8 method;
             # families with GEMMs of their own choose none
             if mod.kernels.quant_matmul is Q.quant_matmul:
-                shapes |= ({(mod.in_features, mod.out_features)} if isinstance(mod, W8A8Linear)
-                       else {(mod.hidden, 2 * mod.inter), (mod.inter, mod.hidden)})
+                shapes |= (
+                    {(mod.in_features, mod.out_features)}
+                    if isinstance(mod, W8A8Linear)
+                    else {(mod.hidden, 2 * mod.inter), (mod.inter, mod.hidden)}
+                )
                 device = next(mod.buffers()).device
     if shapes:
         # Choose each GEMM shape class's fastest exact int8 method now, not in the first requests.
@@ -615,6 +732,7 @@ def w8a8_rank_part(model: nn.Module):
     slice) -> this rank's part of `model` (swapped by `apply_quant_description`, built for its
     layout) read from the file, or SKIP for another EP rank's expert, never read (`_rank_part`'s
     rules; load with `presliced=True`)."""
+
     def take(name, sl):
         part = _rank_part(model, name, sl, _EXPERT.match(name), model.layout)
         return part if part is SKIP or isinstance(part, torch.Tensor) else part[:]
@@ -622,8 +740,9 @@ def w8a8_rank_part(model: nn.Module):
     return take
 
 
-def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[dict] = None,
-                               family: Optional[str] = None, scale_dtype=torch.float32) -> dict:
+def apply_modelslim_checkpoint(
+    model: nn.Module, path: str, *, desc: Optional[dict] = None, family: Optional[str] = None, scale_dtype=torch.float32
+) -> dict:
     """Swap `model`'s layers per the checkpoint's quant_model_description.json and load all its
     tensors (float ones too). Returns the plan {"dense": {...}, "moe": {...}}."""
     desc = read_quant_description(path) if desc is None else desc
@@ -632,8 +751,14 @@ def apply_modelslim_checkpoint(model: nn.Module, path: str, *, desc: Optional[di
     return plan
 
 
-def load_w8a8_model_from_dir(path: str, dtype: torch.dtype = torch.bfloat16, device=None,
-                             family: Optional[str] = None, scale_dtype=torch.float32, layout=None):
+def load_w8a8_model_from_dir(
+    path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    family: Optional[str] = None,
+    scale_dtype=torch.float32,
+    layout=None,
+):
     """config.json + ModelSlim safetensors -> an eval-mode DSV4Model with W8A8 modules (this rank's
     part under `layout`)."""
     with open(os.path.join(path, "config.json")) as f:

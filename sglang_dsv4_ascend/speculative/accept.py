@@ -25,8 +25,15 @@ import torch
 
 from .tree import DraftTree
 
-__all__ = ["SAMPLING_EPS", "accept_batch", "greedy_accept", "is_greedy", "sample_accept", "sampled_temperature",
-           "target_probs"]
+__all__ = [
+    "SAMPLING_EPS",
+    "accept_batch",
+    "greedy_accept",
+    "is_greedy",
+    "sample_accept",
+    "sampled_temperature",
+    "target_probs",
+]
 
 # sglang.srt.sampling.sampling_params._SAMPLING_EPS: a temperature in [0, eps) means greedy
 SAMPLING_EPS = 1e-6

@@ -24,7 +24,6 @@ from .tree import DraftTree, TreeBuilder
 logger = logging.getLogger("sglang_dsv4_ascend")
 
 
-
 def make_drafter(engine):
     """The checkpoint's drafter for the engine (DSpark when the engine has a block size `gamma`,
     else NextN), or the replay test drafter when SGLANG_DSV4_TEST_DRAFTER asks for it (refused
@@ -34,10 +33,16 @@ def make_drafter(engine):
         return DSparkDrafter(engine) if hasattr(engine, "gamma") else NextNDrafter(engine)
     kind, _, arg = spec.partition(":")
     if kind != "replay" or not arg:
-        raise ValueError(f"{settings.TEST_DRAFTER.name}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset")
-    logger.warning("dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the "
-                   "checkpoint's draft; outputs stay lossless, acceptance and speed figures are synthetic", settings.TEST_DRAFTER.name,
-                   spec, arg)
+        raise ValueError(
+            f"{settings.TEST_DRAFTER.name}={spec!r}: expected 'replay:FILE' (a test-only drafter) or unset"
+        )
+    logger.warning(
+        "dsv4_ascend: %s=%s: the TEST replay drafter proposes tokens from %s instead of the "
+        "checkpoint's draft; outputs stay lossless, acceptance and speed figures are synthetic",
+        settings.TEST_DRAFTER.name,
+        spec,
+        arg,
+    )
     return ReplayDrafter(engine, arg)
 
 
@@ -55,27 +60,37 @@ class NextNDrafter:
     def __init__(self, engine):
         self.w = w = engine
         cfg, cache = w.model.cfg, w.cache
-        self.draft_cache = w.model.nextn.make_cache(cache.num_slots, cache.max_context_len, cache.spec_slack,
-                                                    device=w.device)
+        self.draft_cache = w.model.nextn.make_cache(
+            cache.num_slots, cache.max_context_len, cache.spec_slack, device=w.device
+        )
         # per slot: the logits and output streams of the draft's last committed row
         self.root_logits = torch.zeros(cache.num_slots, cfg.vocab_size, dtype=torch.float32, device=w.device)
-        self.root_streams = torch.zeros(cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=w.model.model.dtype,
-                                        device=w.device)
+        self.root_streams = torch.zeros(
+            cache.num_slots, cfg.hc_mult, cfg.hidden_size, dtype=w.model.model.dtype, device=w.device
+        )
 
     def enable_prefix(self, target_states) -> None:
         """Prefix hits: the NextN layer's window rows go into a store linked to the target's (same
         keys and indices). Its row p reads token p + 1; SGLang's tree keys EAGLE prefixes by token
         pairs, so a hit at L also shares token L and every row < L is the request's own."""
-        self.draft_cache.enable_prefix_states(target_states.capacity, target_states.page, link=target_states,
-                                              key_slots=self.w.cache.token_slots)
+        self.draft_cache.enable_prefix_states(
+            target_states.capacity, target_states.page, link=target_states, key_slots=self.w.cache.token_slots
+        )
 
     def restore(self, slot: int, length: int) -> None:
         self.draft_cache.restore_prefix(slot, length)
 
     def _step(self, ids, states, segments, pending=None):
         w = self.w
-        return w.model.nextn.step(ids, states, _positions(segments, w.device), segments, self.draft_cache,
-                                  w.model.model.embed, pending=pending)
+        return w.model.nextn.step(
+            ids,
+            states,
+            _positions(segments, w.device),
+            segments,
+            self.draft_cache,
+            w.model.model.embed,
+            pending=pending,
+        )
 
     def extend(self, segments, next_tokens, aux, rows, finals):
         """Store the draft rows of committed positions; `finals` (b, row): requests whose last row
@@ -95,7 +110,7 @@ class NextNDrafter:
         w, root_streams = self.w, self.root_streams
         builders = [TreeBuilder(b, w.topk) for b in bonus]
         probs0 = torch.softmax(self.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
-        leaves = [bld.step(probs0[i: i + 1]) for i, bld in enumerate(builders)]
+        leaves = [bld.step(probs0[i : i + 1]) for i, bld in enumerate(builders)]
         streams = [{} for _ in slots]  # per request: candidate id -> the draft's output streams at it
         for _ in range(1, w.num_steps):
             segs, ids, states, last, owner = [], [], [], [], []
@@ -139,8 +154,14 @@ class DSparkDrafter:
         state at boundary b (they depend on the target features of positions < b only)."""
         self.states = target_states
         rings = self.ctx.rings
-        target_states.extras["dspark_ctx"] = torch.zeros(target_states.capacity, rings.shape[0], self.ctx.window,
-                                                         rings.shape[-1], dtype=rings.dtype, device=rings.device)
+        target_states.extras["dspark_ctx"] = torch.zeros(
+            target_states.capacity,
+            rings.shape[0],
+            self.ctx.window,
+            rings.shape[-1],
+            dtype=rings.dtype,
+            device=rings.device,
+        )
 
     def restore(self, slot: int, length: int) -> None:
         idx = self.states.lookup(int(self.w.cache.token_slots[slot, length - 1]), length)
@@ -170,8 +191,13 @@ class DSparkDrafter:
         new = (t[:, 2:3] + q - t[:, 1:2]).clamp(min=0)
         ring = t[:, 0:1] * R + q.clamp(min=0) % R
         dev = self.w.device
-        return (torch.tensor([i for _, i in found], device=dev), take_new.to(dev), new.to(dev), ring.to(dev),
-                (q >= 0).to(dev))
+        return (
+            torch.tensor([i for _, i in found], device=dev),
+            take_new.to(dev),
+            new.to(dev),
+            ring.to(dev),
+            (q >= 0).to(dev),
+        )
 
     def extend(self, segments, next_tokens, aux, rows, finals):
         """Inject the target features of every committed row into each stage's ring."""
@@ -279,7 +305,7 @@ class ReplayDrafter:
         """(the next n reference tokens, the sequence's mode); ([], "zero") if none matches."""
         for ref, mode in zip(self.sequences, self.modes):
             if len(ref) > len(seq) and ref[: len(seq)] == seq:
-                return ref[len(seq): len(seq) + n], mode
+                return ref[len(seq) : len(seq) + n], mode
         return [], "zero"
 
     def draft(self, slots, starts, bonus, histories=None, sampling=None):
@@ -298,8 +324,9 @@ class ReplayDrafter:
             leaves = bld.step(self._probs(spine[0], sibling))
             on_spine = next(c for c in leaves if bld.tokens_of(c) == spine[:1])
             for d in range(1, w.num_steps):
-                leaves = bld.step(torch.cat([self._probs(spine[d] if c == on_spine else None, sibling)
-                                             for c in leaves]))
+                leaves = bld.step(
+                    torch.cat([self._probs(spine[d] if c == on_spine else None, sibling) for c in leaves])
+                )
                 # the spine leaf's child with the next spine token continues the spine
                 on_spine = next((c for c in leaves if bld.tokens_of(c) == spine[: d + 1]), None)
             trees.append(bld.finish(w.num_draft_tokens)[0])

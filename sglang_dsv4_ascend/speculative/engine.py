@@ -41,7 +41,6 @@ from ..batch import Segment
 from .accept import accept_batch
 from .tree import DraftTree
 
-
 STAGES = ("draft", "plan", "verify", "accept", "commit", "extend")
 
 
@@ -94,8 +93,9 @@ class _Stages:
 
 
 class SpecEngine:
-    def __init__(self, model, cache, drafter_factory, generator: torch.Generator, device=None, planner=None,
-                 sync=None, **shape):
+    def __init__(
+        self, model, cache, drafter_factory, generator: torch.Generator, device=None, planner=None, sync=None, **shape
+    ):
         """`model`: our DeepseekV4ForCausalLM-like object with `.model` (DSV4Model), `.cfg` and its
         draft (`.nextn` or `.dspark`); `cache`: the target's DSV4Cache. `shape`: the drafter's
         settings (topk, num_steps, num_draft_tokens for NextN; gamma for DSpark), kept as
@@ -153,13 +153,15 @@ class SpecEngine:
                 leaf_seg.append(by_leaf)
             trunk, dev = self.model.model, self.device
             pending, aux = [], {"layer_ids": getattr(self.drafter, "layer_ids", ())}
-            hidden = trunk(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache,
-                           pending=pending, aux=aux)
+            hidden = trunk(
+                torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache, pending=pending, aux=aux
+            )
             rows = torch.tensor([r for rr in node_rows for r in rr], device=dev)
             logits = trunk.compute_logits(hidden[rows])
         with stage("accept"):
-            results = accept_batch(trees, list(torch.split(logits, [t.n for t in trees])),
-                                   sampling, self.generator, drafts.draft_probs)
+            results = accept_batch(
+                trees, list(torch.split(logits, [t.n for t in trees])), sampling, self.generator, drafts.draft_probs
+            )
 
         with stage("commit"):
             keep = [0] * len(segs)
@@ -179,25 +181,50 @@ class SpecEngine:
                 out.paths.append(path)
             self.cache.apply(pending, keep=tuple(keep))
         if self.sync is not None and self.sync.checking:  # the debug switch: no work per round without it
-            self.sync.check({"drafted": [[int(x) for x in t.tokens] for t in drafts.trees], "budget": plan.get("budget"),
-                             "accept_lens": out.accept_lens, "paths": [list(p) for p in out.paths],
-                             "bonus": [int(t) for t in out.bonus]})
+            self.sync.check(
+                {
+                    "drafted": [[int(x) for x in t.tokens] for t in drafts.trees],
+                    "budget": plan.get("budget"),
+                    "accept_lens": out.accept_lens,
+                    "paths": [list(p) for p in out.paths],
+                    "bonus": [int(t) for t in out.bonus],
+                }
+            )
         with stage("extend"):
             ends, acc = [], 0
             for b, s in enumerate(ext_segs):
                 acc += s.length
                 ends.append((b, acc - 1))
-            self.drafter.extend(ext_segs, torch.tensor(shifted, device=dev), aux,
-                                torch.tensor(commit_rows, device=dev), ends)
+            self.drafter.extend(
+                ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends
+            )
         out.timings = stage.t
         return out
 
 
-def NextNEngine(model, cache, topk: int, num_steps: int, num_draft_tokens: int, drafter_factory,
-                generator: torch.Generator, device=None, sync=None) -> SpecEngine:
+def NextNEngine(
+    model,
+    cache,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    drafter_factory,
+    generator: torch.Generator,
+    device=None,
+    sync=None,
+) -> SpecEngine:
     """The NextN chain / tree engine (no planner: every tree node is verified)."""
-    return SpecEngine(model, cache, drafter_factory, generator, device, sync=sync, topk=topk, num_steps=num_steps,
-                      num_draft_tokens=num_draft_tokens)
+    return SpecEngine(
+        model,
+        cache,
+        drafter_factory,
+        generator,
+        device,
+        sync=sync,
+        topk=topk,
+        num_steps=num_steps,
+        num_draft_tokens=num_draft_tokens,
+    )
 
 
 def check_tree_shape(steps, topk, draft_tokens) -> None:
@@ -209,11 +236,16 @@ def check_tree_shape(steps, topk, draft_tokens) -> None:
         raise ValueError(f"--speculative-eagle-topk {topk}: must be >= 1 (1 = chain, > 1 = tree)")
     most = 1 + topk + (steps - 1) * topk * topk  # the root + every candidate EAGLE records
     if topk == 1 and draft_tokens != steps + 1:
-        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: a chain (topk 1) verifies "
-                         f"steps + 1 = {steps + 1} tokens")
+        raise ValueError(
+            f"--speculative-num-draft-tokens {draft_tokens}: a chain (topk 1) verifies steps + 1 = {steps + 1} tokens"
+        )
     if draft_tokens is not None and topk > draft_tokens - 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: at most --speculative-num-draft-tokens - 1 = "
-                         f"{draft_tokens - 1} (the root's children must fit in the verified tokens)")
+        raise ValueError(
+            f"--speculative-eagle-topk {topk}: at most --speculative-num-draft-tokens - 1 = "
+            f"{draft_tokens - 1} (the root's children must fit in the verified tokens)"
+        )
     if draft_tokens is None or not 2 <= draft_tokens <= most:
-        raise ValueError(f"--speculative-num-draft-tokens {draft_tokens}: with --speculative-num-steps {steps} and "
-                         f"--speculative-eagle-topk {topk} it must be in [2, {most}] (root + recorded candidates)")
+        raise ValueError(
+            f"--speculative-num-draft-tokens {draft_tokens}: with --speculative-num-steps {steps} and "
+            f"--speculative-eagle-topk {topk} it must be in [2, {most}] (root + recorded candidates)"
+        )

@@ -81,8 +81,13 @@ class CostModel:
         return cls(*coef, points=[list(p) for p in points], source=source)
 
     def to_json(self) -> dict:
-        return {"model": "t = c0 + c_req*requests + c_tok*rows", "c0": self.c0, "c_req": self.c_req,
-                "c_tok": self.c_tok, "points": self.points}
+        return {
+            "model": "t = c0 + c_req*requests + c_tok*rows",
+            "c0": self.c0,
+            "c_req": self.c_req,
+            "c_tok": self.c_tok,
+            "points": self.points,
+        }
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
@@ -92,7 +97,10 @@ class CostModel:
                 data = json.load(f)
             return cls.fit(data["points"], source=path)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--speculative-dspark-sps-table-path {path}: expected {{\"points\": [[requests, rows, seconds], ...]}} (bench sps writes it): {e!r}") from e
+            raise ValueError(
+                f"--speculative-dspark-sps-table-path {path}: expected "
+                f'{{"points": [[requests, rows, seconds], ...]}} (bench sps writes it): {e!r}'
+            ) from e
 
 
 def survival(conf: torch.Tensor) -> torch.Tensor:
@@ -135,8 +143,9 @@ class Planner:
 
     def __init__(self, gamma: int, mode: str = "adaptive", cost: CostModel | None = None, lag: int = LAG):
         if mode not in settings.DSPARK_VERIFY.choices:
-            raise ValueError(f"{settings.DSPARK_VERIFY.name}={mode!r}: expected one of "
-                             f"{', '.join(settings.DSPARK_VERIFY.choices)}")
+            raise ValueError(
+                f"{settings.DSPARK_VERIFY.name}={mode!r}: expected one of {', '.join(settings.DSPARK_VERIFY.choices)}"
+            )
         self.gamma, self.mode, self.cost, self.lag = gamma, mode, cost, lag
         self.round = 0
         self.history = {}  # slot -> {round: (gen, conf row)}
@@ -173,8 +182,9 @@ class Planner:
         return lens
 
 
-def measure_cost(trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64,
-                 agree=None) -> CostModel:
+def measure_cost(
+    trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64, agree=None
+) -> CostModel:
     """The verify cost model of this machine: timed target forwards over R requests of k rows
     (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1), writes deferred and
     dropped (the cache is not touched), one untimed warm-up each, best of two; stops once

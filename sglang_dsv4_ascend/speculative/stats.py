@@ -41,15 +41,18 @@ class StageStats:
         n = max(1, self.rounds)
         rr = max(1, self.request_rounds)
         return {
-            "rounds": self.rounds, "request_rounds": self.request_rounds,
+            "rounds": self.rounds,
+            "request_rounds": self.request_rounds,
             "stage_ms_per_round": {k: round(v * 1e3 / n, 3) for k, v in self.seconds.items()},
             "stage_seconds_total": {k: round(v, 4) for k, v in self.seconds.items()},
-            "drafted_tokens": self.drafted, "verified_draft_tokens": self.verified,
+            "drafted_tokens": self.drafted,
+            "verified_draft_tokens": self.verified,
             "committed_tokens": self.committed,
             "verified_per_request_round": round(self.verified / rr, 4),
             "accept_length": round(self.committed / rr, 4),
-            "acceptance_by_position": [round(a / v, 4) if v else None
-                                       for a, v in zip(self.accepted_at, self.verified_at)],
+            "acceptance_by_position": [
+                round(a / v, 4) if v else None for a, v in zip(self.accepted_at, self.verified_at)
+            ],
         }
 
     def log_suffix(self) -> str:

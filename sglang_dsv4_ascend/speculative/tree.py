@@ -220,8 +220,7 @@ class TreeBuilder:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if m > self.num_candidates:
             raise ValueError(
-                f"num_draft_tokens={num_draft_tokens} needs {m} candidates, "
-                f"only {self.num_candidates} recorded"
+                f"num_draft_tokens={num_draft_tokens} needs {m} candidates, only {self.num_candidates} recorded"
             )
         if m == 0:
             return DraftTree((self.root_token,), (-1,)), []

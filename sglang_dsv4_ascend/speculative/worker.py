@@ -23,16 +23,15 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
 from .. import checkpoint
+from ..distributed.spec_sync import RankSync
 from ..models.dspark import load_sts, sts_path
 from ..names import DSPARK_ALGO, SPEC_ALGOS
 from .drafters import make_drafter
-from ..distributed.spec_sync import RankSync
 from .engine import NextNEngine, SpecEngine, check_tree_shape
 from .planner import CostModel, Planner, measure_cost, verify_mode
 from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
-
 
 
 def worker_cls_for(algorithm: str):
@@ -47,8 +46,12 @@ class DSV4DraftInput(EagleDraftInput):
     the draft state is per request slot in the worker, so filtering and merging need only this."""
 
     def __init__(self, bonus_tokens: torch.Tensor):
-        super().__init__(bonus_tokens=bonus_tokens, topk_p=bonus_tokens.new_zeros((len(bonus_tokens), 0)).float(),
-                         topk_index=bonus_tokens.new_zeros((len(bonus_tokens), 0)), hidden_states=None)
+        super().__init__(
+            bonus_tokens=bonus_tokens,
+            topk_p=bonus_tokens.new_zeros((len(bonus_tokens), 0)).float(),
+            topk_index=bonus_tokens.new_zeros((len(bonus_tokens), 0)),
+            hidden_states=None,
+        )
 
     def prepare_for_decode(self, batch):
         """SGLang's decode preparation asks a DSPARK batch's draft input to reserve the next
@@ -98,8 +101,9 @@ class DSV4SpecWorker(BaseSpecWorker):
             self.num_steps = spec.speculative_num_steps
             check_tree_shape(self.num_steps, self.topk, self.num_draft_tokens)
             if getattr(self.model, "nextn", None) is None:
-                raise ValueError("--speculative-algorithm nextn: the DeepSeek-V4 model has no NextN (mtp.0) block "
-                                 "loaded")
+                raise ValueError(
+                    "--speculative-algorithm nextn: the DeepSeek-V4 model has no NextN (mtp.0) block loaded"
+                )
             self.model.capture_aux = {}
         self.engine = None
         self.stats = StageStats()
@@ -122,30 +126,70 @@ class DSV4SpecWorker(BaseSpecWorker):
         if self.engine is not None:
             return
         if self.algo != DSPARK_ALGO:
-            self.engine = NextNEngine(self.model, self.cache, self.topk, self.num_steps, self.num_draft_tokens,
-                                      make_drafter, self.generator, device=self.device, sync=self.decisions)
-            logger.info("dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
-                        "chain" if self.topk == 1 else "tree", self.num_steps, self.topk, self.num_draft_tokens,
-                        self.engine.drafter.name)
+            self.engine = NextNEngine(
+                self.model,
+                self.cache,
+                self.topk,
+                self.num_steps,
+                self.num_draft_tokens,
+                make_drafter,
+                self.generator,
+                device=self.device,
+                sync=self.decisions,
+            )
+            logger.info(
+                "dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
+                "chain" if self.topk == 1 else "tree",
+                self.num_steps,
+                self.topk,
+                self.num_draft_tokens,
+                self.engine.drafter.name,
+            )
             return
         cost = None
         if self.verify_mode == "adaptive":
             if self.sps_table:
                 cost = CostModel.load(self.sps_table)
             else:
-                cost = measure_cost(self.model.model, self.cache, self.gamma,
-                                    max_requests=min(self.cache.num_slots, 16), agree=self.sync.any)
+                cost = measure_cost(
+                    self.model.model,
+                    self.cache,
+                    self.gamma,
+                    max_requests=min(self.cache.num_slots, 16),
+                    agree=self.sync.any,
+                )
                 cost = self.sync.broadcast(cost)  # timings differ per rank; rank 0's plans for all
-            logger.info("dsv4_ascend DSpark verify cost model (%s): t = %.3g + %.3g*requests + %.3g*rows s",
-                        cost.source, cost.c0, cost.c_req, cost.c_tok)
+            logger.info(
+                "dsv4_ascend DSpark verify cost model (%s): t = %.3g + %.3g*requests + %.3g*rows s",
+                cost.source,
+                cost.c0,
+                cost.c_req,
+                cost.c_tok,
+            )
         planner = Planner(self.gamma, self.verify_mode, cost)
-        self.engine = SpecEngine(self.model, self.cache, make_drafter, self.generator, self.device, planner=planner,
-                                 sync=self.decisions,
-                                 gamma=self.gamma, topk=1, num_steps=self.gamma, num_draft_tokens=self.gamma + 1)
+        self.engine = SpecEngine(
+            self.model,
+            self.cache,
+            make_drafter,
+            self.generator,
+            self.device,
+            planner=planner,
+            sync=self.decisions,
+            gamma=self.gamma,
+            topk=1,
+            num_steps=self.gamma,
+            num_draft_tokens=self.gamma + 1,
+        )
         native = self.model.cfg.dspark_block_size
-        logger.info("dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
-                    "confidence temperatures: %s", self.gamma, native, self.verify_mode, self.engine.drafter.name,
-                    f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)")
+        logger.info(
+            "dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
+            "confidence temperatures: %s",
+            self.gamma,
+            native,
+            self.verify_mode,
+            self.engine.drafter.name,
+            f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)",
+        )
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:
@@ -187,7 +231,7 @@ class DSV4SpecWorker(BaseSpecWorker):
         for b, (req, seg) in enumerate(zip(batch.reqs, segments)):
             seq = list(req.origin_input_ids) + list(req.output_ids)
             end = seg.start + seg.length
-            shifted += ids[off + 1: off + seg.length] + [seq[end] if end < len(seq) else sampled[b]]
+            shifted += ids[off + 1 : off + seg.length] + [seq[end] if end < len(seq) else sampled[b]]
             off += seg.length
             if end >= len(seq):
                 finals.append((b, off - 1))
@@ -221,8 +265,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
             # verified rows per request (anchor included): SGLang's cap_lens, reported per request
             # as spec_cap_length / spec_cap_lens_histogram like its ragged-verify worker's
-            cap_lens=(torch.tensor([t.n for t in res.trees], dtype=torch.int32) if self.algo == DSPARK_ALGO
-                      else None),
+            cap_lens=(torch.tensor([t.n for t in res.trees], dtype=torch.int32) if self.algo == DSPARK_ALGO else None),
         )
 
     def _idle(self, batch):
@@ -236,10 +279,14 @@ class DSV4SpecWorker(BaseSpecWorker):
             ids = torch.zeros(0, dtype=torch.long, device=self.device)
             self.model.model(ids, ids, [], self.cache)
         return GenerationBatchResult(
-            logits_output=LogitsProcessorOutput(next_token_logits=None), next_token_ids=empty,
-            accept_lens=empty, new_seq_lens=batch.seq_lens,
+            logits_output=LogitsProcessorOutput(next_token_logits=None),
+            next_token_ids=empty,
+            accept_lens=empty,
+            new_seq_lens=batch.seq_lens,
             next_draft_input=DSV4DraftInput(torch.zeros(0, dtype=torch.int64, device=self.device)),
-            speculative_num_draft_tokens=self.num_draft_tokens, can_run_cuda_graph=False)
+            speculative_num_draft_tokens=self.num_draft_tokens,
+            can_run_cuda_graph=False,
+        )
 
 
 def _sampling_params(batch) -> list:

@@ -45,20 +45,20 @@ def _triton_ascend_installed() -> bool:
 SPECULATIVE = {
     "nextn": {
         "chain": "--speculative-algorithm nextn --speculative-num-steps 3 --speculative-eagle-topk 1 "
-                 "--speculative-num-draft-tokens 4",
+        "--speculative-num-draft-tokens 4",
         "tree": "--speculative-algorithm nextn --speculative-num-steps 3 --speculative-eagle-topk 4 "
-                "--speculative-num-draft-tokens 8",
+        "--speculative-num-draft-tokens 8",
         "needs": "a checkpoint with a NextN block (mtp.0.e_proj ...), float weights; greedy or temperature / "
-                 "top_k / top_p / min_p sampling (penalties, logit bias, grammars, logprobs are refused per request)",
+        "top_k / top_p / min_p sampling (penalties, logit bias, grammars, logprobs are refused per request)",
     },
     "dspark": {
         "adaptive": "--speculative-algorithm dspark  (gamma = the checkpoint's dspark_block_size; "
-                    "--speculative-dspark-block-size N to change it)",
+        "--speculative-dspark-block-size N to change it)",
         "static": f"{settings.DSPARK_VERIFY.name}=static --speculative-algorithm dspark",
         "options": "--speculative-dspark-sps-table-path FILE (bench sps; else measured at startup), "
-                   "--speculative-dspark-confidence-sts-path FILE ({\"temperatures\": [...]})",
+        '--speculative-dspark-confidence-sts-path FILE ({"temperatures": [...]})',
         "needs": "a DSpark checkpoint (dspark_* config fields, mtp.0..2 with main_proj / markov_head / "
-                 "confidence_head), float weights; same per-request limits as nextn",
+        "confidence_head), float weights; same per-request limits as nextn",
         "status": "CPU verified (real server, greedy == no speculation, static and adaptive); NPU unverified",
     },
 }
@@ -79,8 +79,11 @@ def _tiny_model() -> dict:
             missing.append(os.path.join(d, INDEX_FILE))
             continue
         files = set(index.values())
-        missing += [os.path.join(d, n) for n in sorted(files | {"config.json", "tokenizer.json"})
-                    if not os.path.exists(os.path.join(d, n))]
+        missing += [
+            os.path.join(d, n)
+            for n in sorted(files | {"config.json", "tokenizer.json"})
+            if not os.path.exists(os.path.join(d, n))
+        ]
     out["present"], out["missing"] = not missing, missing
     return out
 
@@ -92,8 +95,11 @@ def collect() -> dict:
     v = compat.installed_sglang_version()
     report = {
         "sglang_dsv4_ascend": __version__,
-        "sglang": {"version": v, "supported_range": compat.SUPPORTED_SGLANG_TEXT,
-                   "supported": compat.version_supported(v)},
+        "sglang": {
+            "version": v,
+            "supported_range": compat.SUPPORTED_SGLANG_TEXT,
+            "supported": compat.version_supported(v),
+        },
         "device_family": device.device_family(),
         "platform": platforms.activate() or "SGLang's own (ours stands aside)",
         "kernel_family": device.kernel_family(),
@@ -154,24 +160,42 @@ def ranks_report(ranks: int, ep: int = 1, model: str | None = None, dp: int = 1)
     lays = [] if problems else [Layout.for_flags(ranks, ep, dp, tp_rank=r) for r in range(ranks)]
     flags = f"--tp-size {ranks} --ep-size {ep}" + (f" --dp-size {dp} --enable-dp-attention" if dp > 1 else "")
     H = cfg.num_attention_heads
-    return {"model": model, "flags": flags,
-            "ranks": [{"describe": x.describe(), "heads": [x.attn_tp_rank * H // x.attn_tp_size,
-                                                           (x.attn_tp_rank + 1) * H // x.attn_tp_size],
-                       "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop],
-                       "vocab": [x.vocab_rows(cfg.vocab_size).start, x.vocab_rows(cfg.vocab_size).stop]}
-                      for x in lays],
-            "problems": problems, "ok": not problems}
+    return {
+        "model": model,
+        "flags": flags,
+        "ranks": [
+            {
+                "describe": x.describe(),
+                "heads": [x.attn_tp_rank * H // x.attn_tp_size, (x.attn_tp_rank + 1) * H // x.attn_tp_size],
+                "experts": [x.experts(cfg.n_routed_experts).start, x.experts(cfg.n_routed_experts).stop],
+                "vocab": [x.vocab_rows(cfg.vocab_size).start, x.vocab_rows(cfg.vocab_size).stop],
+            }
+            for x in lays
+        ],
+        "problems": problems,
+        "ok": not problems,
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Check a sglang-dsv4-ascend installation.")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--ranks", type=int, default=None,
-                    help="instead: each rank's coordinates under --tp-size RANKS (and --ep-size) for --model")
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="instead: each rank's coordinates under --tp-size RANKS (and --ep-size) for --model",
+    )
     ap.add_argument("--ep-size", type=int, default=1, help="with --ranks: the MoE expert-parallel size")
-    ap.add_argument("--dp-size", type=int, default=1,
-                    help="with --ranks: DP attention (--dp-size D --enable-dp-attention; attention TP = RANKS / D)")
-    ap.add_argument("--model", default=None, help="with --ranks: a checkpoint dir, flash, pro (default: the tiny model)")
+    ap.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="with --ranks: DP attention (--dp-size D --enable-dp-attention; attention TP = RANKS / D)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="with --ranks: a checkpoint dir, flash, pro (default: the tiny model)"
+    )
     a = ap.parse_args(argv)
     if a.ranks is not None:
         r = ranks_report(a.ranks, a.ep_size, a.model, a.dp_size)
@@ -180,8 +204,10 @@ def main(argv=None) -> int:
         else:
             print(f"{r['model']}: {r['flags']}")
             for x in r["ranks"]:
-                print(f"  {x['describe']}; heads [{x['heads'][0]}, {x['heads'][1]}), experts "
-                      f"[{x['experts'][0]}, {x['experts'][1]}), vocab rows [{x['vocab'][0]}, {x['vocab'][1]})")
+                print(
+                    f"  {x['describe']}; heads [{x['heads'][0]}, {x['heads'][1]}), experts "
+                    f"[{x['experts'][0]}, {x['experts'][1]}), vocab rows [{x['vocab'][0]}, {x['vocab'][1]})"
+                )
             for p in r["problems"]:
                 print(f"PROBLEM: {p}")
             print("OK" if r["ok"] else "NOT OK")
@@ -192,21 +218,27 @@ def main(argv=None) -> int:
     else:
         s = r["sglang"]
         print(f"sglang-dsv4-ascend {r['sglang_dsv4_ascend']}")
-        print(f"sglang            {s['version']}  ({'supported' if s['supported'] else 'NOT supported'}; "
-              f"supported: {s['supported_range']})")
+        print(
+            f"sglang            {s['version']}  ({'supported' if s['supported'] else 'NOT supported'}; "
+            f"supported: {s['supported_range']})"
+        )
         print(f"device family     {r['device_family']}  (kernels: {r['kernel_family']})")
         print(f"platform          {r['platform']}")
         print(f"components        {', '.join(r['components']) or '(none)'}")
         for h in r["hooks"]:
             print(f"hook              {h['name']} -> {h['target']}: {'ok' if h['ok'] else h['error']}")
         if not r["hooks"]:
-            print("hooks             (none)" if s["supported"] else "hooks             (not checked: unsupported sglang)")
+            print(
+                "hooks             (none)" if s["supported"] else "hooks             (not checked: unsupported sglang)"
+            )
         for mod, res in r["imports"].items():
             print(f"import {mod:<11} {'ok ' + res['version'] if res['imports'] else 'no (' + res['error'] + ')'}")
         print(f"triton-ascend     {'installed' if r['triton_ascend_installed'] else 'not installed'}")
         tm = r["tiny_model"]
-        print(f"tiny model        {tm['path']} ({'present' if tm['present'] else 'INCOMPLETE'}; "
-              f"NextN variant {tm['nextn_path']})")
+        print(
+            f"tiny model        {tm['path']} ({'present' if tm['present'] else 'INCOMPLETE'}; "
+            f"NextN variant {tm['nextn_path']})"
+        )
         nx = r["speculative"]["nextn"]
         print(f"speculative nextn chain: {nx['chain']}")
         print(f"                  tree:  {nx['tree']}")

@@ -5,7 +5,8 @@ scalar read (`.item()`, `int(t)`, `bool(t)`, `.tolist()` all reach `aten::_local
 an op whose output *shape* depends on the data (`nonzero`, `unique`, `masked_select`, boolean-mask
 indexing, `repeat_interleave` without an output size). On the CPU none of these costs anything, so
 they are counted here through a TorchDispatchMode, which sees every aten op of the layers whatever
-device they run on (plus `.tolist()`, `.numpy()` and `.cpu()`, which bypass it for CPU tensors): zero here means zero syncs on an NPU or a GPU, and no obstacle to graph capture.
+device they run on (plus `.tolist()`, `.numpy()` and `.cpu()`, which bypass it for CPU tensors):
+zero here means zero syncs on an NPU or a GPU, and no obstacle to graph capture.
 
 Only the layers are watched (forward pre/post hooks enter and leave the mode): the model's entry
 checks the batch on the host on purpose, from CPU tensors it was given.
@@ -21,9 +22,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten overload packets whose result the host must read (value or shape).
 _SYNC_OPS = {
-    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static", "argwhere",
-    "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select",
-    "repeat_interleave", "bincount", "histc",
+    "_local_scalar_dense",
+    "item",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "nonzero_static",
+    "argwhere",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "masked_select",
+    "repeat_interleave",
+    "bincount",
+    "histc",
 }
 
 
@@ -45,8 +59,11 @@ class _SyncCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
             self.counts[name] += 1
-        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                     for i in (args[1] if len(args) > 1 else ()) if i is not None):
+        elif name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 else ())
+            if i is not None
+        ):
             self.counts["index(bool mask)"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -75,6 +92,7 @@ def count_host_syncs(layers):
             if mode.depth:
                 counts[name] += 1
             return originals[name](self, *a, **k)
+
         return wrapper
 
     for name in originals:

@@ -40,9 +40,21 @@ SPECIAL_TOKENS = [
     "<｜dspark_noise｜>",  # DSpark's placeholder token for block rows 2..γ
     # The rest of the DeepSeek-V4 chat vocabulary: SGLang's DSV4 chat encoder (deepseek-recipe)
     # refuses a tokenizer that lacks any of them.
-    "<think>", "</think>", "<｜System｜>", "<｜latest_reminder｜>", "｜DSML｜", "<｜image｜>",
-    "<｜deepseek_image｜>", "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>",
-    "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>",
+    "<think>",
+    "</think>",
+    "<｜System｜>",
+    "<｜latest_reminder｜>",
+    "｜DSML｜",
+    "<｜image｜>",
+    "<｜deepseek_image｜>",
+    "<｜ref｜>",
+    "<｜/ref｜>",
+    "<｜box｜>",
+    "<｜/box｜>",
+    "<｜point｜>",
+    "<｜/point｜>",
+    "<｜polygon｜>",
+    "<｜/polygon｜>",
 ]
 
 # Built-in training text for the tokenizer: the checkpoint must not depend on files outside the
@@ -104,9 +116,18 @@ PRESETS = {
     # The trained tiny model's shape (tools/train_tiny.py): the Flash pattern at 13 layers, so that
     # one NextN block is 1/13 of the trunk and DSpark's three stages 3/13 (the released Flash:
     # 1/43 and 3/43), wide enough to learn code, small enough to train in ~20 min on 2 cores.
-    "trained": Preset(compress_ratios=(0, 0) + (4, 128) * 5 + (4,), hidden_size=128, q_lora_rank=64,
-                      o_lora_rank=32, index_topk=8, sliding_window=64, moe_intermediate_size=128,
-                      vocab_size=4096, tokenizer_vocab=4096, dspark_markov_rank=32),
+    "trained": Preset(
+        compress_ratios=(0, 0) + (4, 128) * 5 + (4,),
+        hidden_size=128,
+        q_lora_rank=64,
+        o_lora_rank=32,
+        index_topk=8,
+        sliding_window=64,
+        moe_intermediate_size=128,
+        vocab_size=4096,
+        tokenizer_vocab=4096,
+        dspark_markov_rank=32,
+    ),
 }
 
 
@@ -348,7 +369,9 @@ def write_files(out_dir: str, cfg: dict, tensors: dict, tok) -> str:
     }
     weight_map = {}
     for fname, part in shards.items():
-        save_file({k: part[k].contiguous() for k in sorted(part)}, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        save_file(
+            {k: part[k].contiguous() for k in sorted(part)}, os.path.join(out_dir, fname), metadata={"format": "pt"}
+        )
         weight_map.update({k: fname for k in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_index(out_dir, weight_map, total)

@@ -123,8 +123,9 @@ class _ActStats:
         return v
 
 
-def calibrate(in_dir: str, layer_names: list, calib_path: str, num_calib: int, max_tokens: int,
-              progress: bool = True) -> dict:
+def calibrate(
+    in_dir: str, layer_names: list, calib_path: str, num_calib: int, max_tokens: int, progress: bool = True
+) -> dict:
     """Run the float model on the calibration prompts; {layer prefix: _ActStats} of each layer's input."""
     from tokenizers import Tokenizer
     from tqdm import tqdm
@@ -137,8 +138,10 @@ def calibrate(in_dir: str, layer_names: list, calib_path: str, num_calib: int, m
     model = load_model_from_dir(in_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     stats = {name: _ActStats(gen) for name in layer_names}
-    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, a, n=name: stats[n].add(a[0]))
-             for name in layer_names]
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(lambda m, a, n=name: stats[n].add(a[0]))
+        for name in layer_names
+    ]
     vocab = model.cfg.vocab_size
     try:
         for text in tqdm(texts, desc="calibrating", unit="prompt", disable=not progress, file=sys.stderr):
@@ -188,17 +191,37 @@ def activation_params(st: _ActStats, symmetric: bool, percentile: float):
     clip = float(((y >= 127.5) | (y < -128.5)).float().mean())  # would round outside [-128, 127]
     norm = torch.linalg.vector_norm(v)
     err = float(torch.linalg.vector_norm(v - deq) / norm) if norm > 0 else 0.0
-    return scale_t, off_t, {"act_lo": lo, "act_hi": hi, "input_scale": s, "input_offset": off,
-                            "clip_frac": clip, "act_rel_err": err, "act_count": st.count}
+    return (
+        scale_t,
+        off_t,
+        {
+            "act_lo": lo,
+            "act_hi": hi,
+            "input_scale": s,
+            "input_offset": off,
+            "clip_frac": clip,
+            "act_rel_err": err,
+            "act_count": st.count,
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # checkpoint
 
 
-def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", calib: Optional[str] = None,
-                        num_calib: int = 16, max_calib_tokens: int = 256, act_sym: bool = False,
-                        act_percentile: float = 100.0, quantize_wo_b: bool = False, progress: bool = True) -> dict:
+def quantize_checkpoint(
+    in_dir: str,
+    out_dir: str,
+    scheme: str = "dynamic",
+    calib: Optional[str] = None,
+    num_calib: int = 16,
+    max_calib_tokens: int = 256,
+    act_sym: bool = False,
+    act_percentile: float = 100.0,
+    quantize_wo_b: bool = False,
+    progress: bool = True,
+) -> dict:
     """Write the W8A8 checkpoint; returns the summary {"layers": {name: row}, "scheme": ..., ...}."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -244,13 +267,17 @@ def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", cali
                 typ = plan.get(name)
                 if typ is None:
                     if t.dtype == torch.int8 or name.endswith((".weight_scale", ".scale")):
-                        raise ValueError(f"{in_dir}/{fname}: tensor {name!r} ({t.dtype}) is already quantized; "
-                                         "this tool takes a bf16/fp32 checkpoint")
+                        raise ValueError(
+                            f"{in_dir}/{fname}: tensor {name!r} ({t.dtype}) is already quantized; "
+                            "this tool takes a bf16/fp32 checkpoint"
+                        )
                     out[name], desc[name] = t, FLOAT
                 else:
                     if not t.is_floating_point() or t.dim() != 2:
-                        raise ValueError(f"{in_dir}/{fname}: tensor {name!r} ({t.dtype}, {tuple(t.shape)}) is not a "
-                                         "float matrix; this tool takes a bf16/fp32 checkpoint")
+                        raise ValueError(
+                            f"{in_dir}/{fname}: tensor {name!r} ({t.dtype}, {tuple(t.shape)}) is not a "
+                            "float matrix; this tool takes a bf16/fp32 checkpoint"
+                        )
                     p = name[: -len(".weight")]
                     wq, s, o, err = quantize_weight(t)
                     new = {f"{p}.weight": wq, f"{p}.weight_scale": s, f"{p}.weight_offset": o}
@@ -265,8 +292,9 @@ def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", cali
                         out[k], desc[k] = v, typ
                     rows[p] = row
                 bar.update(1)
-        save_file({k: out[k].contiguous() for k in sorted(out)}, os.path.join(out_dir, fname),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: out[k].contiguous() for k in sorted(out)}, os.path.join(out_dir, fname), metadata={"format": "pt"}
+        )
         weight_map.update({k: fname for k in out})
         total += sum(v.numel() * v.element_size() for v in out.values())
     bar.close()
@@ -276,8 +304,13 @@ def quantize_checkpoint(in_dir: str, out_dir: str, scheme: str = "dynamic", cali
     with open(os.path.join(out_dir, DESCRIPTION_FILE), "w") as f:
         json.dump({"model_quant_type": model_type, "version": "1.0.0", **dict(sorted(desc.items()))}, f, indent=2)
         f.write("\n")
-    return {"scheme": scheme, "model_quant_type": model_type, "layers": rows,
-            "num_tensors_in": len(names), "num_tensors_out": len(desc)}
+    return {
+        "scheme": scheme,
+        "model_quant_type": model_type,
+        "layers": rows,
+        "num_tensors_in": len(names),
+        "num_tensors_out": len(desc),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,8 +347,10 @@ def format_summary(summary: dict) -> str:
     all_errs = [r["weight_rel_err"] for r in summary["layers"].values()]
     lines.append("-" * len(head))
     if all_errs:
-        lines.append(f"{len(all_errs)} quantized weights ({summary['scheme']}): mean weight rel. error "
-                     f"{sum(all_errs) / len(all_errs):.5f}, max {max(all_errs):.5f}")
+        lines.append(
+            f"{len(all_errs)} quantized weights ({summary['scheme']}): mean weight rel. error "
+            f"{sum(all_errs) / len(all_errs):.5f}, max {max(all_errs):.5f}"
+        )
     return "\n".join(lines)
 
 
@@ -328,17 +363,28 @@ def main(argv=None) -> int:
     ap.add_argument("in_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--scheme", default="dynamic", choices=["dynamic", "static"])
-    ap.add_argument("--calib", help="JSONL prompts ({\"turns\": [...]}) for --scheme static")
+    ap.add_argument("--calib", help='JSONL prompts ({"turns": [...]}) for --scheme static')
     ap.add_argument("--num-calib", type=int, default=16, help="number of calibration prompts (default 16)")
     ap.add_argument("--max-calib-tokens", type=int, default=256, help="tokens per calibration prompt (default 256)")
     ap.add_argument("--act-sym", action="store_true", help="symmetric static activations (zero point 0)")
-    ap.add_argument("--act-percentile", type=float, default=100.0,
-                    help="activation range percentile (default 100 = min/max)")
+    ap.add_argument(
+        "--act-percentile", type=float, default=100.0, help="activation range percentile (default 100 = min/max)"
+    )
     ap.add_argument("--quantize-wo-b", action="store_true", help="also quantize attn.wo_b (the recipe keeps it float)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    summary = quantize_checkpoint(a.in_dir, a.out_dir, a.scheme, a.calib, a.num_calib, a.max_calib_tokens,
-                                  a.act_sym, a.act_percentile, a.quantize_wo_b, progress=not a.no_progress)
+    summary = quantize_checkpoint(
+        a.in_dir,
+        a.out_dir,
+        a.scheme,
+        a.calib,
+        a.num_calib,
+        a.max_calib_tokens,
+        a.act_sym,
+        a.act_percentile,
+        a.quantize_wo_b,
+        progress=not a.no_progress,
+    )
     print(format_summary(summary))
     print(f"wrote ModelSlim {summary['model_quant_type']} checkpoint to {a.out_dir}", file=sys.stderr)
     return 0

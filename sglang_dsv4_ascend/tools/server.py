@@ -52,8 +52,14 @@ class ServerFailed(RuntimeError):
 
 
 class SGLangServer:
-    def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
-                 startup_timeout: float = 240.0, zygote: bool | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *extra_args: str,
+        env: dict | None = None,
+        startup_timeout: float = 240.0,
+        zygote: bool | None = None,
+    ):
         """zygote: launch through the pre-imported launcher named by $SGLANG_DSV4_ZYGOTE
         (tools/zygote.py) -- None: when one is set and `env` does not select the platform;
         False: always `python -m sglang.launch_server` in a fresh interpreter."""
@@ -76,14 +82,27 @@ class SGLangServer:
     def start(self) -> "SGLangServer":
         fd, self.log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
         log = os.fdopen(fd, "w")
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-               "--host", HOST, "--port", str(self.port), "--dtype", "float32",
-               "--max-total-tokens", "8192", "--skip-server-warmup", *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "8192",
+            "--skip-server-warmup",
+            *self.extra_args,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = self._forked(cmd[3:], env) if self._use_zygote() else None
         if self.proc is None:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -192,8 +211,9 @@ class SGLangServer:
             return r.status, r.read()
 
     def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 body = r.read()

@@ -59,8 +59,8 @@ def _chat_samples(source: str) -> list[str]:
         doc = node.body[0]
         if node.col_offset or node.end_lineno - node.lineno > 40:  # top-level, short functions only
             continue
-        head = "".join(lines[node.lineno - 1: doc.end_lineno])  # signature + docstring
-        whole = "".join(lines[node.lineno - 1: node.end_lineno])
+        head = "".join(lines[node.lineno - 1 : doc.end_lineno])  # signature + docstring
+        whole = "".join(lines[node.lineno - 1 : node.end_lineno])
         user = INSTRUCTION + head + "\n```"
         out.append(chat_prompt(user) + "```python\n" + whole + "```" + EOS)
     return out
@@ -104,4 +104,4 @@ class Batches:
     def __call__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         starts = torch.randint(0, self.stream.numel() - self.seq_len - 1, (self.batch,), generator=g)
-        return torch.stack([self.stream[s: s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return torch.stack([self.stream[s : s + self.seq_len + 1] for s in starts.tolist()]).long()

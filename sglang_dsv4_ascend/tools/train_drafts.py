@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..layers.mhc import hc_head
 from ..batch import Segment
+from ..layers.mhc import hc_head
 
 
 # -- the frozen target ----------------------------------------------------------------------------
@@ -45,8 +45,11 @@ def target_outputs(model, x: torch.Tensor, layer_ids=()) -> dict:
     aux = {"layer_ids": tuple(layer_ids)}
     pos = torch.arange(S).repeat(B)
     h = model(x.flatten(), pos, segs, cache, aux=aux)
-    return {"logits": model.compute_logits(h).view(B, S, -1), "streams": aux["streams"].view(B, S, *aux["streams"].shape[1:]),
-            "layer_streams": {i: s.view(B, S, *s.shape[1:]) for i, s in aux["layer_streams"].items()}}
+    return {
+        "logits": model.compute_logits(h).view(B, S, -1),
+        "streams": aux["streams"].view(B, S, *aux["streams"].shape[1:]),
+        "layer_streams": {i: s.view(B, S, *s.shape[1:]) for i, s in aux["layer_streams"].items()},
+    }
 
 
 @torch.no_grad()
@@ -145,9 +148,10 @@ def dspark_block(draft, embed, head_w, feats: torch.Tensor, x: torch.Tensor, L: 
     ctx_pos = Lf[:, None] - W + torch.arange(W)
     ctx_rows = seq[:, None] * S + ctx_pos.clamp(min=0)
     blk_rows = B * S + torch.arange(n * gamma).view(n, gamma)
-    ctx = SimpleNamespace(key_rows=torch.cat([ctx_rows, blk_rows], 1).repeat_interleave(gamma, 0),
-                          key_ok=torch.cat([ctx_pos >= 0, torch.ones(n, gamma, dtype=torch.bool)], 1)
-                          .repeat_interleave(gamma, 0))
+    ctx = SimpleNamespace(
+        key_rows=torch.cat([ctx_rows, blk_rows], 1).repeat_interleave(gamma, 0),
+        key_ok=torch.cat([ctx_pos >= 0, torch.ones(n, gamma, dtype=torch.bool)], 1).repeat_interleave(gamma, 0),
+    )
     flat_feat, flat_pos = feats.flatten(0, 1), torch.arange(S).repeat(B)
     h = embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     for stage in draft.mtp:
@@ -166,8 +170,9 @@ def dspark_features(draft, tgt: dict) -> torch.Tensor:
     return draft.features(flat).view(B, S, -1)
 
 
-def dspark_loss(draft, embed, head_w, x: torch.Tensor, tgt: dict, gamma: int, per_seq: int, g, decay=0.8,
-                conf_weight=0.5):
+def dspark_loss(
+    draft, embed, head_w, x: torch.Tensor, tgt: dict, gamma: int, per_seq: int, g, decay=0.8, conf_weight=0.5
+):
     B, S = x.shape[0], x.shape[1] - 1
     L = anchors(S, gamma, per_seq, B, g)
     feats = dspark_features(draft, tgt)
@@ -185,8 +190,12 @@ def dspark_loss(draft, embed, head_w, x: torch.Tensor, tgt: dict, gamma: int, pe
     e = last.confidence_head(torch.cat([h.detach().float(), last.markov_head.markov_w1(prev).detach().float()], -1))
     bce = F.binary_cross_entropy_with_logits(e, hit)
     loss = (per * w).sum(-1).mean() / w.sum() + conf_weight * bce
-    return loss, {"loss": float(loss.detach()), "bce": float(bce.detach()), "acc1": float(hit[:, 0].mean()),
-                  "acc_all": float(hit.mean())}
+    return loss, {
+        "loss": float(loss.detach()),
+        "bce": float(bce.detach()),
+        "acc1": float(hit[:, 0].mean()),
+        "acc_all": float(hit.mean()),
+    }
 
 
 # -- confidence calibration (STS) -------------------------------------------------------------------
@@ -219,7 +228,9 @@ def sequential_temperatures(e: torch.Tensor, accepted: torch.Tensor, grid=None) 
     "draft k accepted", over the anchors whose drafts 1..k-1 were all accepted (the only ones
     whose c_k matters to the survival a_k = prod c_i). A grid search (log-spaced) keeps it exact
     and dependency-free. -> temperatures, per-position report."""
-    grid = grid if grid is not None else [math.exp(v) for v in torch.linspace(math.log(0.2), math.log(8.0), 81).tolist()]
+    grid = (
+        grid if grid is not None else [math.exp(v) for v in torch.linspace(math.log(0.2), math.log(8.0), 81).tolist()]
+    )
     temps, report = [], []
     for k in range(e.shape[1]):
         live = accepted[:, k - 1] if k else torch.ones(e.shape[0], dtype=torch.bool)
@@ -231,7 +242,15 @@ def sequential_temperatures(e: torch.Tensor, accepted: torch.Tensor, grid=None) 
         nll = [float(F.binary_cross_entropy_with_logits(ek / t, yk)) for t in grid]
         best = min(range(len(grid)), key=nll.__getitem__)
         temps.append(grid[best])
-        report.append({"position": k + 1, "samples": int(yk.numel()), "accept_rate": float(yk.mean()),
-                       "temperature": grid[best], "bce_before": float(F.binary_cross_entropy_with_logits(ek, yk)),
-                       "bce_after": nll[best], "mean_confidence_after": float(torch.sigmoid(ek / grid[best]).mean())})
+        report.append(
+            {
+                "position": k + 1,
+                "samples": int(yk.numel()),
+                "accept_rate": float(yk.mean()),
+                "temperature": grid[best],
+                "bce_before": float(F.binary_cross_entropy_with_logits(ek, yk)),
+                "bce_after": nll[best],
+                "mean_confidence_after": float(torch.sigmoid(ek / grid[best]).mean()),
+            }
+        )
     return temps, report

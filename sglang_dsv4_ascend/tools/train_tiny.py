@@ -62,8 +62,15 @@ class Run:
         later = ("target", "selfdata", "nextn", "dspark", "sts")
         self.report["done"] = [s for s in self.report["done"] if s not in later]
         self.report.setdefault("target", {}).setdefault("extended_from", []).append(done_steps)
-        for name in ("selfdata.pt", "nextn_state.pt", "nextn_tensors.pt", "dspark_state.pt",
-                     "dspark_tensors.pt", "dspark_module.pt", "dspark_sts.json"):
+        for name in (
+            "selfdata.pt",
+            "nextn_state.pt",
+            "nextn_tensors.pt",
+            "dspark_state.pt",
+            "dspark_tensors.pt",
+            "dspark_module.pt",
+            "dspark_sts.json",
+        ):
             if os.path.exists(self.path(name)):
                 os.remove(self.path(name))
         for stage in later[1:]:
@@ -114,9 +121,16 @@ def stage_tokenizer(run: Run):
     data = {"train": corpus.tokenize(tok, train), "holdout": corpus.tokenize(tok, hold)}
     torch.save(data, run.path("tokens.pt"))
     chat = sum(d.startswith(corpus.BOS + corpus.USER) for d in train)
-    run.finish("tokenizer", documents=len(train), chat_samples=chat, holdout_documents=len(hold),
-               train_tokens=int(data["train"].numel()), holdout_tokens=int(data["holdout"].numel()),
-               chars=sum(map(len, train)), seconds=round(time.time() - t0, 1))
+    run.finish(
+        "tokenizer",
+        documents=len(train),
+        chat_samples=chat,
+        holdout_documents=len(hold),
+        train_tokens=int(data["train"].numel()),
+        holdout_tokens=int(data["holdout"].numel()),
+        chars=sum(map(len, train)),
+        seconds=round(time.time() - t0, 1),
+    )
     return tok, data
 
 
@@ -141,8 +155,10 @@ def _hf_to_released(hf_sd: dict, init: dict) -> dict:
             for e in range(t.shape[0]):
                 if name.endswith("gate_up_proj"):
                     I = t.shape[1] // 2
-                    parts += [(f"{pre}.experts.{e}.w1.weight", (e, slice(0, I))),
-                              (f"{pre}.experts.{e}.w3.weight", (e, slice(I, None)))]
+                    parts += [
+                        (f"{pre}.experts.{e}.w1.weight", (e, slice(0, I))),
+                        (f"{pre}.experts.{e}.w3.weight", (e, slice(I, None))),
+                    ]
                 else:
                     parts.append((f"{pre}.experts.{e}.w2.weight", (e, slice(None))))
             for k, sl in parts:
@@ -226,9 +242,19 @@ def stage_target(run: Run, tok, data):
     # the exported checkpoint, read back by HF, is the model that was trained (up to bf16)
     hf2 = DeepseekV4ForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
     hold_bf16 = _holdout_loss(lambda x: hf2(input_ids=x, labels=x).loss, data["holdout"], a.seq_len)
-    run.finish("target", steps=total, batch=a.batch, seq_len=a.seq_len, lr=a.lr, params=n_params,
-               tokens_seen=total * a.batch * a.seq_len, holdout_loss_fp32=hold, holdout_loss_bf16=hold_bf16,
-               loss_curve=losses, seconds=round(time.time() - t0, 1) + run.report.get("target", {}).get("seconds", 0))
+    run.finish(
+        "target",
+        steps=total,
+        batch=a.batch,
+        seq_len=a.seq_len,
+        lr=a.lr,
+        params=n_params,
+        tokens_seen=total * a.batch * a.seq_len,
+        holdout_loss_fp32=hold,
+        holdout_loss_bf16=hold_bf16,
+        loss_curve=losses,
+        seconds=round(time.time() - t0, 1) + run.report.get("target", {}).get("seconds", 0),
+    )
     return target_dir, cfg
 
 
@@ -246,26 +272,37 @@ def stage_selfdata(run: Run, tok, data, target):
     a = run.args
     t0 = time.time()
     train, _ = corpus.documents(a.seed)
-    chats = [d[: d.index(corpus.ASSISTANT) + len(corpus.ASSISTANT + corpus.THINK_END)]
-             for d in train if d.startswith(corpus.BOS + corpus.USER)]
+    chats = [
+        d[: d.index(corpus.ASSISTANT) + len(corpus.ASSISTANT + corpus.THINK_END)]
+        for d in train
+        if d.startswith(corpus.BOS + corpus.USER)
+    ]
     g = torch.Generator().manual_seed(a.seed + 7)
     n = a.gen_seqs
-    chat_ids = [tok.encode(chats[i], add_special_tokens=False).ids[-a.gen_prompt:]
-                for i in torch.randperm(len(chats), generator=g)[: n // 2].tolist()]
+    chat_ids = [
+        tok.encode(chats[i], add_special_tokens=False).ids[-a.gen_prompt :]
+        for i in torch.randperm(len(chats), generator=g)[: n // 2].tolist()
+    ]
     starts = torch.randint(0, data["train"].numel() - a.gen_prompt, (n - len(chat_ids),), generator=g).tolist()
-    code_ids = [data["train"][s: s + a.gen_prompt].tolist() for s in starts]
+    code_ids = [data["train"][s : s + a.gen_prompt].tolist() for s in starts]
     prompts = chat_ids + code_ids
     out = {"greedy": [], "sampled": []}
     bar = _bar(2, "[3/6] self-data (greedy, T=0.8)")
     for kind, temp in (("greedy", 0.0), ("sampled", 0.8)):
         for i in range(0, len(prompts), a.gen_batch):
-            out[kind] += td.generate(target, prompts[i: i + a.gen_batch], a.gen_new, temp, seed=a.seed + i)
+            out[kind] += td.generate(target, prompts[i : i + a.gen_batch], a.gen_new, temp, seed=a.seed + i)
         bar.update(1)
     bar.close()
     torch.save(out, run.path("selfdata.pt"))
     sample = tok.decode(out["greedy"][0], skip_special_tokens=False)
-    run.finish("selfdata", sequences=len(prompts) * 2, new_tokens_each=a.gen_new, prompt_tokens=a.gen_prompt,
-               seconds=round(time.time() - t0, 1), greedy_sample=sample[-600:])
+    run.finish(
+        "selfdata",
+        sequences=len(prompts) * 2,
+        new_tokens_each=a.gen_new,
+        prompt_tokens=a.gen_prompt,
+        seconds=round(time.time() - t0, 1),
+        greedy_sample=sample[-600:],
+    )
     return out
 
 
@@ -285,7 +322,7 @@ def _draft_batches(selfdata, data, a, hold_out: int):
         for j in pick:
             s = gen[j]
             o = int(torch.randint(0, len(s) - S, (1,), generator=gg))
-            rows.append(s[o: o + S + 1])
+            rows.append(s[o : o + S + 1])
         return torch.stack(rows).long()
 
     return get
@@ -349,7 +386,7 @@ def _draft_tensors(module, init: dict, prefix: str) -> dict:
     sd = module.state_dict() if prefix == "mtp.0." else module.mtp.state_dict()
     out = {}
     for k, v in init.items():
-        key = k[len(prefix):]
+        key = k[len(prefix) :]
         out[k] = sd[key].detach().to(v.dtype).contiguous()
     return out
 
@@ -367,11 +404,12 @@ def stage_nextn(run: Run, target, selfdata, data):
     curve, secs = _train_draft(run, "nextn", nextn, loss_fn, a.nextn_steps, batches, a.draft_lr, "[4/6] nextn")
     tensors = _draft_tensors(nextn, init, "mtp.0.")
     torch.save(tensors, run.path("nextn_tensors.pt"))
-    hold = torch.stack([torch.tensor(s) for s in selfdata["greedy"][-a.calib_seqs:]])
+    hold = torch.stack([torch.tensor(s) for s in selfdata["greedy"][-a.calib_seqs :]])
     with torch.no_grad():
         _, st = td.nextn_loss(nextn, target.embed, target.head.weight, hold, td.target_outputs(target, hold[:, :-1]))
-    run.finish("nextn", steps=a.nextn_steps, loss_curve=curve, seconds=secs,
-               heldout_greedy_top1_agreement=round(st["acc1"], 4))
+    run.finish(
+        "nextn", steps=a.nextn_steps, loss_curve=curve, seconds=secs, heldout_greedy_top1_agreement=round(st["acc1"], 4)
+    )
     return tensors
 
 
@@ -385,8 +423,16 @@ def stage_dspark(run: Run, target, selfdata, data):
 
     def loss_fn(x, step):
         tgt = td.target_outputs(target, x[:, :-1], lids)
-        return td.dspark_loss(draft, target.embed, target.head.weight, x, tgt, gamma, a.anchors,
-                              torch.Generator().manual_seed(a.seed * 17 + step))
+        return td.dspark_loss(
+            draft,
+            target.embed,
+            target.head.weight,
+            x,
+            tgt,
+            gamma,
+            a.anchors,
+            torch.Generator().manual_seed(a.seed * 17 + step),
+        )
 
     curve, secs = _train_draft(run, "dspark", draft, loss_fn, a.dspark_steps, batches, a.draft_lr, "[5/6] dspark")
     tensors = _draft_tensors(draft, init, "mtp.")
@@ -404,20 +450,28 @@ def stage_sts(run: Run, target, selfdata, dspark_tensors):
     draft.load_state_dict(torch.load(run.path("dspark_module.pt")))
     draft.eval()
     gamma, lids = target.cfg.dspark_block_size, target.cfg.dspark_target_layer_ids
-    hold = torch.stack([torch.tensor(s) for s in selfdata["greedy"][-a.calib_seqs:]])
+    hold = torch.stack([torch.tensor(s) for s in selfdata["greedy"][-a.calib_seqs :]])
     S = hold.shape[1] - 1
     tgt = td.target_outputs(target, hold[:, :-1], lids)
     L = torch.arange(a.gen_prompt, S - gamma + 1).expand(hold.shape[0], -1)  # every anchor in the generated part
     e, ok = td.dspark_greedy_rollout(draft, target.embed, target.head.weight, hold, tgt, L, gamma)
     temps, rep = td.sequential_temperatures(e, ok)
-    sts = {"temperatures": temps, "method": "sequential temperature scaling (train_drafts.sequential_temperatures)",
-           "positions": rep}
+    sts = {
+        "temperatures": temps,
+        "method": "sequential temperature scaling (train_drafts.sequential_temperatures)",
+        "positions": rep,
+    }
     with open(run.path("dspark_sts.json"), "w") as f:
         json.dump(sts, f, indent=2)
         f.write("\n")
     acc = ok.float().mean(0).tolist()
-    run.finish("sts", anchors=int(e.shape[0]), greedy_survival_by_position=[round(v, 4) for v in acc],
-               mean_accepted_drafts=round(float(ok.float().sum(1).mean()), 4), temperatures=temps)
+    run.finish(
+        "sts",
+        anchors=int(e.shape[0]),
+        greedy_survival_by_position=[round(v, 4) for v in acc],
+        mean_accepted_drafts=round(float(ok.float().sum(1).mean()), 4),
+        temperatures=temps,
+    )
     return sts
 
 
@@ -440,8 +494,10 @@ def assemble(run: Run, tok, target_dir, nextn_tensors, dspark_tensors, sts):
     for fname in ("model-00001-of-00002.safetensors", "tokenizer.json"):
         os.remove(os.path.join(nx, fname))
         os.symlink(os.path.join("..", "dspark", fname), os.path.join(nx, fname))
-    sizes = {d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
-                    if not os.path.islink(os.path.join(d, f))) for d in (ds, nx)}
+    sizes = {
+        d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if not os.path.islink(os.path.join(d, f)))
+        for d in (ds, nx)
+    }
     run.report["files"] = {os.path.basename(k): v for k, v in sizes.items()}
     run.save_report()
     return ds, nx
@@ -474,7 +530,16 @@ def main(argv=None) -> int:
         a.target_steps, a.nextn_steps, a.dspark_steps = 3, 3, 3
         a.batch, a.seq_len, a.gen_seqs, a.gen_batch, a.gen_new, a.calib_seqs = 2, 160, 8, 8, 40, 2
         a.gen_prompt, a.draft_seq_len, a.anchors, a.save_every = 32, 64, 4, 2
-    for name in ("target_steps", "batch", "seq_len", "gen_seqs", "nextn_steps", "dspark_steps", "draft_batch", "anchors"):
+    for name in (
+        "target_steps",
+        "batch",
+        "seq_len",
+        "gen_seqs",
+        "nextn_steps",
+        "dspark_steps",
+        "draft_batch",
+        "anchors",
+    ):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     if a.calib_seqs >= a.gen_seqs:

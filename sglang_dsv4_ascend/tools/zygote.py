@@ -188,8 +188,12 @@ def start(path: str, log: str):
         if os.path.exists(p):
             os.unlink(p)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_dsv4_ascend.tools.zygote", path], stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_dsv4_ascend.tools.zygote", path],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     deadline = time.monotonic() + 30
     while not os.path.exists(path + ".pid") and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -6,8 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.device,
-              pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None, reason="needs torch_npu (Ascend NPU)")]
+pytestmark = [
+    pytest.mark.device,
+    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None, reason="needs torch_npu (Ascend NPU)"),
+]
 
 
 @pytest.mark.parametrize("with_weight", [True, False])
@@ -57,7 +59,7 @@ def test_sparse_attention_with_sink_matches_reference(npu_ops, H):
     valid[3] = False
     idx[~valid] = N
     sink = torch.randn(H, generator=g) * 2
-    scale = D ** -0.5
+    scale = D**-0.5
     want = reference.sparse_attention_with_sink(q, pool, idx, valid, sink, scale)
     dev = [t.to("npu") for t in (q, pool, idx, valid, sink)]
     got = npu_ops.sparse_attention_with_sink(*dev, scale, max_chunk_elems=10 * K * D)
@@ -83,21 +85,44 @@ def test_sparse_attention_sources_matches_reference(npu_ops):
     hi[5], lo[5] = 0, 0
     srcs = [
         Source(A, torch.randint(0, N, (T, 128), generator=g), None, lo, hi.clamp(max=128)),
-        Source(B, torch.randint(0, M, (3, 40), generator=g), G, z, torch.randint(0, 41, (T,), generator=g),
-               torch.rand(T, 40, generator=g) > 0.2),
-        Source(A, torch.randint(0, 4 * 64, (3, 64), generator=g), G, z, torch.randint(0, 65, (T,), generator=g),
-               None, 4, 100),
+        Source(
+            B,
+            torch.randint(0, M, (3, 40), generator=g),
+            G,
+            z,
+            torch.randint(0, 41, (T,), generator=g),
+            torch.rand(T, 40, generator=g) > 0.2,
+        ),
+        Source(
+            A,
+            torch.randint(0, 4 * 64, (3, 64), generator=g),
+            G,
+            z,
+            torch.randint(0, 65, (T,), generator=g),
+            None,
+            4,
+            100,
+        ),
     ]
     srcs[1].hi[5] = 0
     srcs[2].hi[5] = 0
 
     def on(dev):
-        return [Source(s.pool.to(dev), s.table.to(dev), None if s.group is None else s.group.to(dev),
-                       s.lo.to(dev), s.hi.to(dev), None if s.mask is None else s.mask.to(dev), s.div, s.offset)
-                for s in srcs]
+        return [
+            Source(
+                s.pool.to(dev),
+                s.table.to(dev),
+                None if s.group is None else s.group.to(dev),
+                s.lo.to(dev),
+                s.hi.to(dev),
+                None if s.mask is None else s.mask.to(dev),
+                s.div,
+                s.offset,
+            )
+            for s in srcs
+        ]
 
-    want = reference.sparse_attention_sources(q, srcs, sink, D ** -0.5)
-    got = npu_ops.sparse_attention_sources(q.to("npu"), on("npu"), sink.to("npu"), D ** -0.5,
-                                           max_chunk_elems=8 * 232 * D)
+    want = reference.sparse_attention_sources(q, srcs, sink, D**-0.5)
+    got = npu_ops.sparse_attention_sources(q.to("npu"), on("npu"), sink.to("npu"), D**-0.5, max_chunk_elems=8 * 232 * D)
     assert torch.all(got[5].cpu() == 0)
     _close_to_reference(got, want)

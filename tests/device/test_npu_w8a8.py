@@ -20,8 +20,9 @@ from sglang_dsv4_ascend.ops import quant as Q
 
 pytestmark = [
     pytest.mark.device,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="torch_npu not installed (needs CANN + NPU)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch_npu") is None, reason="torch_npu not installed (needs CANN + NPU)"
+    ),
 ]
 
 
@@ -44,7 +45,7 @@ def test_dynamic_quant_bit_exact(npu):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 4096, generator=g) * 3).bfloat16()
     x[:, 0] = 127.0  # many exact .5 ties after scaling (scale 1.0)
-    x[3, 1:] = torch.arange(-63, 63.5, 1.0).repeat(33)[: 4095] + 0.5
+    x[3, 1:] = torch.arange(-63, 63.5, 1.0).repeat(33)[:4095] + 0.5
     q, s = npu.dynamic_quant(_dev(x))
     rq, rs = Q.dynamic_quant(x)
     assert torch.equal(s.cpu(), rs)
@@ -95,8 +96,9 @@ def test_grouped_matmul_bit_exact(npu):
     w = torch.randint(-128, 128, (E, N, K), dtype=torch.int8, generator=g)
     sc = torch.rand(E, N, generator=g) * 0.01
     cum = torch.cumsum(torch.tensor(counts), 0)
-    got = npu.grouped_quant_matmul(_dev(xq), npu.prepare_weight(_dev(w)), _dev(sc), _dev(xs), _dev(cum), 0,
-                                   torch.bfloat16)
+    got = npu.grouped_quant_matmul(
+        _dev(xq), npu.prepare_weight(_dev(w)), _dev(sc), _dev(xs), _dev(cum), 0, torch.bfloat16
+    )
     assert torch.equal(got.cpu(), Q.grouped_quant_matmul(xq, w, sc, xs, cum, 0, torch.bfloat16))
 
 
@@ -111,6 +113,15 @@ def test_moe_chain_npu_family(npu):
     s13, s2 = torch.rand(E, 2 * I, generator=g) * 1e-2, torch.rand(E, d, generator=g) * 1e-3
     ref = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, 10.0)
     fam = ops.kernels("npu")
-    got = Q.moe_w8a8(_dev(x), _dev(ids), _dev(wts), fam.prepare_weight(_dev(w13)), _dev(s13),
-                     fam.prepare_weight(_dev(w2)), _dev(s2), 10.0, ops=fam)
+    got = Q.moe_w8a8(
+        _dev(x),
+        _dev(ids),
+        _dev(wts),
+        fam.prepare_weight(_dev(w13)),
+        _dev(s13),
+        fam.prepare_weight(_dev(w2)),
+        _dev(s2),
+        10.0,
+        ops=fam,
+    )
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())

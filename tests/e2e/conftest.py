@@ -109,10 +109,15 @@ SCHEDULE = [
     ("spec", "test_dspark_serving.py"),
     ("spec", "test_trained_tiny.py::test_the_completion"),
     ("spec", "test_trained_tiny.py::test_nextn_variant"),
-    *[("spec", f"{test}[{method}]") for method in ("nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static",
-                                                     "dspark_adaptive")
-      for test in ("test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
-                   "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold", FUZZ)],
+    *[
+        ("spec", f"{test}[{method}]")
+        for method in ("nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static", "dspark_adaptive")
+        for test in (
+            "test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
+            "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold",
+            FUZZ,
+        )
+    ],
     ("spec", "test_bench_serve.py"),  # DSpark adaptive
     ("spec", "test_trained_tiny.py"),
     # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals

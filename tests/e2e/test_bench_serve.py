@@ -22,12 +22,16 @@ N_PROMPTS, MAX_TOKENS, LEVELS = 4, 24, (1, 4)
 
 # -- without a server -----------------------------------------------------------------------------
 
+
 def test_chunk_parser_counts_only_token_chunks():
     usage_only = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7}}
     empty_delta = {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]}
     role_only = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": None}
-    stats_only = {"choices": [{"index": 0, "delta": {"content": None}}], "usage": {"completion_tokens": 9},
-                  "sglext": {"spec_tokens_details": {"spec_verify_ct": 3}}}
+    stats_only = {
+        "choices": [{"index": 0, "delta": {"content": None}}],
+        "usage": {"completion_tokens": 9},
+        "sglext": {"spec_tokens_details": {"spec_verify_ct": 3}},
+    }
     three = {"choices": [{"index": 0, "delta": {"content": "abc"}}], "usage": {"completion_tokens": 5}}
     assert serve.chunk_tokens(usage_only, 4) == 0
     assert serve.chunk_tokens(empty_delta, 4) == 0
@@ -49,17 +53,20 @@ def _run(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("args,flag", [
-    (["--concurrency", "0"], "--concurrency"),
-    (["--concurrency", ""], "--concurrency"),
-    (["--concurrency", "1,x"], "--concurrency"),
-    (["--num-prompts", "-3"], "--num-prompts"),
-    (["--max-tokens", "0"], "--max-tokens"),
-    (["--timeout", "0"], "--timeout"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset"),
-    ([], "--url"),  # a port nobody listens on
-])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--concurrency", ""], "--concurrency"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--num-prompts", "-3"], "--num-prompts"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--timeout", "0"], "--timeout"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset"),
+        ([], "--url"),  # a port nobody listens on
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(args, flag):
     url = [] if flag == "--url" and not args else ["--url", f"http://127.0.0.1:{free_port()}"]
     rc, out, err = _run(url + args)
@@ -77,6 +84,7 @@ def test_missing_url_and_missing_matplotlib(monkeypatch):
 
 # -- one real server --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(server_pool):
     # the shipped trained model: its drafts are accepted, so the per-position figures are non-trivial
@@ -88,8 +96,21 @@ def server(server_pool):
 @pytest.fixture(scope="module")
 def report(server, tmp_path_factory):
     path = tmp_path_factory.mktemp("bench_out") / "serve.json"
-    rc, out, err = _run(["--url", server.url, "--out", str(path), "--concurrency", ",".join(map(str, LEVELS)),
-                         "--num-prompts", str(N_PROMPTS), "--max-tokens", str(MAX_TOKENS), "--per-request"])
+    rc, out, err = _run(
+        [
+            "--url",
+            server.url,
+            "--out",
+            str(path),
+            "--concurrency",
+            ",".join(map(str, LEVELS)),
+            "--num-prompts",
+            str(N_PROMPTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--per-request",
+        ]
+    )
     assert rc == 0, f"{err[-3000:]}\n{server.log_tail(60)}"
     rep = json.loads(path.read_text())
     assert json.loads(out) == rep  # stdout carries the same JSON
@@ -97,8 +118,14 @@ def report(server, tmp_path_factory):
 
 
 def _chat(server, model, prompt, max_tokens):
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": False, "return_spec_tokens_details": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": False,
+        "return_spec_tokens_details": True,
+    }
     r = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
     r.raise_for_status()
     return r.json()
@@ -150,7 +177,7 @@ def test_token_counts_are_the_servers(server, report, reference):
 
 
 def _p(hist, j):
-    reached = sum(hist[j - 1:])
+    reached = sum(hist[j - 1 :])
     return sum(hist[j:]) / reached if reached else None
 
 

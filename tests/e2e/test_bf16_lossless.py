@@ -33,8 +33,11 @@ METHODS = ("nextn_chain", "nextn_tree2", "dspark_static", "dspark_adaptive")
 # The 8 of 48 packaged chat prompts (64 tokens, bf16) on which greedy output with speculation
 # left the no-speculation tokens before the fix (the note on #29), each at a near-tie that the
 # last bit decided: humaneval 2, 3 and 6, mt-bench 2, 5 and 7, gsm8k 4 and 9.
-PROMPTS = [("humaneval", i, None) for i in (2, 3, 6)] + [("mt-bench", i, 400) for i in (2, 5, 7)] + \
-    [("gsm8k", i, 400) for i in (4, 9)]
+PROMPTS = (
+    [("humaneval", i, None) for i in (2, 3, 6)]
+    + [("mt-bench", i, 400) for i in (2, 5, 7)]
+    + [("gsm8k", i, 400) for i in (4, 9)]
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +61,11 @@ def _run(srv, prompts):
 
 
 def _first_difference(outs, reference):
-    return {i: next(j for j, (a, b) in enumerate(zip(o, r)) if a != b)
-            for i, (o, r) in enumerate(zip(outs, reference)) if o != r}
+    return {
+        i: next(j for j, (a, b) in enumerate(zip(o, r)) if a != b)
+        for i, (o, r) in enumerate(zip(outs, reference))
+        if o != r
+    }
 
 
 @pytest.mark.parametrize("method", METHODS)

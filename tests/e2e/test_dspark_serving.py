@@ -24,7 +24,9 @@ POOL = ("--max-total-tokens", "32768")
 
 
 def dspark_server(servers, ckpt, mode, *args, env=None):
-    return servers.get(ckpt, *POOL, "--speculative-algorithm", "dspark", *args, env={settings.DSPARK_VERIFY.name: mode, **(env or {})})
+    return servers.get(
+        ckpt, *POOL, "--speculative-algorithm", "dspark", *args, env={settings.DSPARK_VERIFY.name: mode, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,16 @@ def test_greedy_dspark_equals_no_speculation(servers, ckpt, prompts, reference, 
 
 def _stream(srv, prompt):
     """Every chunk of a streamed /generate (native API)."""
-    r = requests.post(f"{srv.url}/generate", json={"input_ids": prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=300)
+    r = requests.post(
+        f"{srv.url}/generate",
+        json={
+            "input_ids": prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True},
+        },
+        stream=True,
+        timeout=300,
+    )
     r.raise_for_status()
     chunks = []
     for line in r.iter_lines():
@@ -83,8 +93,14 @@ def _stream(srv, prompt):
 
 
 def _openai_stream(srv, prompt, details: bool):
-    body = {"model": srv.model_path, "prompt": prompt, "max_tokens": N_NEW, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": srv.model_path,
+        "prompt": prompt,
+        "max_tokens": N_NEW,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     if details:
         body["return_spec_tokens_details"] = True
     r = requests.post(f"{srv.url}/v1/completions", json=body, stream=True, timeout=300)
@@ -144,13 +160,16 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
         return "".join(c["choices"][0].get("text") or "" for c in cs if c.get("choices"))
 
     def tokenless(cs):  # choice chunks that carry no text and do not finish
-        return sum(1 for c in cs if c.get("choices") and not c["choices"][0].get("text")
-                   and c["choices"][0].get("finish_reason") is None)
+        return sum(
+            1
+            for c in cs
+            if c.get("choices") and not c["choices"][0].get("text") and c["choices"][0].get("finish_reason") is None
+        )
 
     assert text(plain) == text(withstats) and tokenless(withstats) <= tokenless(plain)
     # nothing after the finishing chunk carries a choice (SGLang's own sglext-only chunk follows it)
     end = next(i for i, c in enumerate(withstats) if c.get("choices") and c["choices"][0].get("finish_reason"))
-    assert not any(c.get("choices") for c in withstats[end + 1:])
+    assert not any(c.get("choices") for c in withstats[end + 1 :])
     assert not any((c.get("sglext") or {}).get("spec_tokens_details") for c in plain[:-2])
     rounds = 0
     token_chunks = [c for c in withstats if c.get("choices") and c["choices"][0].get("finish_reason") is None]
@@ -163,8 +182,14 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     assert rounds > 0
     info = srv.server_info()
     rec = info["internal_states"][0]["dspark_info_record"]
-    assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {"draft", "plan", "verify", "accept",
-                                                                   "commit", "extend"}
+    assert rec["rounds"] > 0 and set(rec["stage_ms_per_round"]) == {
+        "draft",
+        "plan",
+        "verify",
+        "accept",
+        "commit",
+        "extend",
+    }
 
 
 def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_path):
@@ -178,15 +203,31 @@ def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_pa
     gamma, short, late = 4, [0, 1, 2, 3], [4, 5, 6]  # 40-token prompts; then 110, 124 and 193 tokens
     modes = ["full"] * 4 + ["partial:2"] * 3 + ["zero"]
     env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
-    srv = dspark_server(servers, ckpt, "static", "--chunked-prefill-size", "128", "--enable-mixed-chunk",
-                        "--disable-radix-cache", env=env)
+    srv = dspark_server(
+        servers,
+        ckpt,
+        "static",
+        "--chunked-prefill-size",
+        "128",
+        "--enable-mixed-chunk",
+        "--disable-radix-cache",
+        env=env,
+    )
     started = [threading.Event() for _ in short]
     chunks = {}
 
     def stream(k):
         chunks[k] = []
-        r = requests.post(f"{srv.url}/generate", json={"input_ids": prompts[k], "stream": True, "sampling_params": {
-            "max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=300)
+        r = requests.post(
+            f"{srv.url}/generate",
+            json={
+                "input_ids": prompts[k],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True},
+            },
+            stream=True,
+            timeout=300,
+        )
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":

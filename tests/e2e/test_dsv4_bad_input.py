@@ -1,10 +1,10 @@
 """Bad input for DeepSeek-V4 stops the real server with an error that names it and says what to
 fix: a broken checkpoint (dropped tensor, non-checkpoint dtype, wrong config, missing tokenizer
 files), a quantization flag that does not fit the checkpoint, and settings we cannot serve
-(page / chunk sizes, speculative settings the NextN worker cannot serve). SGLang only logs plugin errors and some of these
-used to fail deep inside transformers or SGLang with messages that point elsewhere, so each case
-starts a real `sglang.launch_server` and reads what it printed (the unmodified checkpoint serves
-in test_dsv4_serving.py). The servers start in parallel."""
+(page / chunk sizes, speculative settings the NextN worker cannot serve). SGLang only logs plugin
+errors and some of these used to fail deep inside transformers or SGLang with messages that point
+elsewhere, so each case starts a real `sglang.launch_server` and reads what it printed (the
+unmodified checkpoint serves in test_dsv4_serving.py). The servers start in parallel."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
-from sglang_dsv4_ascend.tools.server import SGLangServer, ServerFailed
+from sglang_dsv4_ascend.tools.server import ServerFailed, SGLangServer
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,10 @@ def case_dropped_tensor(d):
 
 def case_float64_weight(d):
     _edit_tensors(d, lambda t: t.__setitem__("layers.0.attn.wq_a.weight", t["layers.0.attn.wq_a.weight"].double()))
-    return [], ["layers.0.attn.wq_a.weight", "dtype torch.float64 is not a checkpoint dtype; expected bf16 / fp16 / fp32"]
+    return [], [
+        "layers.0.attn.wq_a.weight",
+        "dtype torch.float64 is not a checkpoint dtype; expected bf16 / fp16 / fp32",
+    ]
 
 
 def case_compress_ratios_length(d):
@@ -73,7 +76,9 @@ def case_missing_tokenizer(d):
 
 def case_w8a8_flag_on_float_checkpoint(d):
     return ["--quantization", "w8a8_ascend"], [
-        "has no quant_model_description.json", "python -m sglang_dsv4_ascend.tools.quantize_w8a8"]
+        "has no quant_model_description.json",
+        "python -m sglang_dsv4_ascend.tools.quantize_w8a8",
+    ]
 
 
 def case_unsupported_quantization(d):
@@ -90,26 +95,47 @@ def case_chunked_prefill(d):
 
 def case_nextn_on_a_dspark_checkpoint(d):
     return ["--speculative-algorithm", "NEXTN"], [
-        "--speculative-algorithm NEXTN:", "has a DSpark draft (mtp.*.main_proj), not a NextN block"]
+        "--speculative-algorithm NEXTN:",
+        "has a DSpark draft (mtp.*.main_proj), not a NextN block",
+    ]
 
 
 def case_dspark_on_a_nextn_checkpoint(d):
     write_checkpoint(d, "flash", "nextn")
     return ["--speculative-algorithm", "DSPARK"], [
-        "--speculative-algorithm DSPARK:", "has a NextN block (mtp.0.e_proj), not a DSpark draft"]
+        "--speculative-algorithm DSPARK:",
+        "has a NextN block (mtp.0.e_proj), not a DSpark draft",
+    ]
 
 
 def case_tree_wider_than_its_draft_tokens(d):
     write_checkpoint(d, "flash", "nextn")  # a NextN checkpoint: refused by the worker's final check
-    return ["--speculative-algorithm", "nextn", "--speculative-num-steps", "2", "--speculative-eagle-topk", "4",
-            "--speculative-num-draft-tokens", "3"], [
-        "--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 2"]
+    return [
+        "--speculative-algorithm",
+        "nextn",
+        "--speculative-num-steps",
+        "2",
+        "--speculative-eagle-topk",
+        "4",
+        "--speculative-num-draft-tokens",
+        "3",
+    ], ["--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 2"]
 
 
-CASES = [case_dropped_tensor, case_float64_weight, case_compress_ratios_length, case_sliding_window_zero,
-         case_missing_tokenizer, case_w8a8_flag_on_float_checkpoint, case_unsupported_quantization, case_page_size,
-         case_chunked_prefill, case_nextn_on_a_dspark_checkpoint, case_dspark_on_a_nextn_checkpoint,
-         case_tree_wider_than_its_draft_tokens]
+CASES = [
+    case_dropped_tensor,
+    case_float64_weight,
+    case_compress_ratios_length,
+    case_sliding_window_zero,
+    case_missing_tokenizer,
+    case_w8a8_flag_on_float_checkpoint,
+    case_unsupported_quantization,
+    case_page_size,
+    case_chunked_prefill,
+    case_nextn_on_a_dspark_checkpoint,
+    case_dspark_on_a_nextn_checkpoint,
+    case_tree_wider_than_its_draft_tokens,
+]
 
 
 def _attempt(case, root):
@@ -131,4 +157,3 @@ def test_startup_errors_name_the_cause(tmp_path):
         assert log is not None, f"{name}: the server started"
         missing = [w for w in words if w not in log]
         assert not missing, f"{name}: {missing} not in the server output:\n{log[-3000:]}"
-

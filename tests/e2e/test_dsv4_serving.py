@@ -86,8 +86,11 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
 
     idle_used = used_tokens(srv)
     # A long request to abort mid-generation, running beside the concurrent ones.
-    victim = {"input_ids": prompt_ids[0], "rid": "victim",
-              "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
+    victim = {
+        "input_ids": prompt_ids[0],
+        "rid": "victim",
+        "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True},
+    }
     victim_result = {}
 
     def run_victim():

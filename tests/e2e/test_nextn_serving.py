@@ -80,7 +80,9 @@ def test_greedy_nextn_equals_no_speculation(servers, ckpt, prompts, reference, c
     # (radix cache off for the mixed-step server: the repeated prompts would hit, and the shorter
     # prefills would not overlap the decodes this checks; hits under speculation are
     # test_prefix_cache_serving.py's)
-    extra = ("--chunked-prefill-size", "128", "--enable-mixed-chunk", "--disable-radix-cache") if config == "chain3" else ()
+    extra = (
+        ("--chunked-prefill-size", "128", "--enable-mixed-chunk", "--disable-radix-cache") if config == "chain3" else ()
+    )
     srv = spec_server(servers, ckpt, config, *extra)
     assert "dsv4_ascend NextN worker" in srv.log_text()
     for p, want in zip(prompts[:3], reference):
@@ -126,8 +128,11 @@ def test_abort_mid_speculation_frees_the_cache(servers, ckpt, prompts, reference
     round commits a whole path, so its cache grows round by round until the abort)."""
     srv = replay_server(servers, ckpt, replay_file, "tree4")
     idle = used_tokens(srv)
-    victim = {"input_ids": prompts[0], "rid": "victim",
-              "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}}
+    victim = {
+        "input_ids": prompts[0],
+        "rid": "victim",
+        "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True},
+    }
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", srv.post("/generate", victim)))
     t.start()
@@ -156,9 +161,15 @@ def test_abort_mid_speculation_frees_the_cache(servers, ckpt, prompts, reference
 def _samples(srv, prompt, n_requests, n_per):
     """Tokens 2 and 3 of `n_requests * n_per` sampled completions (token 1 comes from the prefill's
     sampler; tokens 2.. from speculative rounds)."""
+
     def one(_):
-        out = srv.post("/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": 3, "temperature": 0.8, "n": n_per, "ignore_eos": True}})
+        out = srv.post(
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0.8, "n": n_per, "ignore_eos": True},
+            },
+        )
         return out if isinstance(out, list) else [out]
 
     with ThreadPoolExecutor(4) as ex:

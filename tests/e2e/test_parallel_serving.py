@@ -69,8 +69,11 @@ def flash_want(server_pool, flash, flash_prompts):
 
 def test_tp2_and_ep2_equal_one_rank(servers, flash, flash_prompts, flash_want):
     want = flash_want
-    for flags, holds in [(TP2, "moe_tp 1/2"), (TP2 + ("--ep-size", "2"), "moe_ep 1/2"),
-                         (TP2 + DP_ATTN + ("--ep-size", "2"), "attn_tp 0/1, dp 1/2, moe_ep 1/2")]:
+    for flags, holds in [
+        (TP2, "moe_tp 1/2"),
+        (TP2 + ("--ep-size", "2"), "moe_ep 1/2"),
+        (TP2 + DP_ATTN + ("--ep-size", "2"), "attn_tp 0/1, dp 1/2, moe_ep 1/2"),
+    ]:
         srv = servers.get(flash, *POOL, *flags)
         single, together = _run(srv, flash_prompts)
         assert _ids(single) == want, flags
@@ -128,7 +131,9 @@ def chat():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
-    return [tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 3, max_chars=None)]
+    return [
+        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 3, max_chars=None)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +142,16 @@ def chat_reference(server_pool, chat):
     return _ids(_run(server_pool.get(pkg.TINY_MODEL_PATH, *headline.POOL), chat)[0])
 
 
-@pytest.mark.parametrize("method,dp", [("nextn_chain", ()), ("nextn_tree2", ()), ("dspark_adaptive", ()),
-                                       ("nextn_tree2", DP_ATTN), ("dspark_adaptive", DP_ATTN)])
+@pytest.mark.parametrize(
+    "method,dp",
+    [
+        ("nextn_chain", ()),
+        ("nextn_tree2", ()),
+        ("dspark_adaptive", ()),
+        ("nextn_tree2", DP_ATTN),
+        ("dspark_adaptive", DP_ATTN),
+    ],
+)
 def test_speculation_on_two_ranks_is_lossless_and_in_sync(servers, chat, chat_reference, method, dp):
     """Under DP attention each rank drafts and verifies its own requests while the other
     prefills, verifies or idles in the same step, their target forwards meeting in the MoE
@@ -148,8 +161,7 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(servers, chat, chat_re
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference
     assert _ids(together) == chat_reference
-    accepted = sum(sum(k * n for k, n in enumerate(o["meta_info"]["spec_correct_drafts_histogram"]))
-                   for o in single)
+    accepted = sum(sum(k * n for k, n in enumerate(o["meta_info"]["spec_correct_drafts_histogram"])) for o in single)
     assert accepted > len(chat) * 4, f"{method}: only {accepted} drafts accepted; the check saw no commits"
     # sampled requests: rejection draws on every rank, and the check stays silent
     sampled, _ = _run(srv, chat, temperature=1.0, top_p=0.95)
@@ -159,15 +171,19 @@ def test_speculation_on_two_ranks_is_lossless_and_in_sync(servers, chat, chat_re
 
 
 @pytest.mark.parametrize("dp,modes", [((), ["full", "partial:1", "zero"]), (DP_ATTN, ["sibling", "cycle", "zero"])])
-def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(servers, chat, chat_reference, tmp_path,
-                                                                      dp, modes):
+def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(
+    servers, chat, chat_reference, tmp_path, dp, modes
+):
     """The trained drafts accept only partly; the replay drafter drives every acceptance pattern on
     purpose (NextN tree topk 2, 3 steps), so full commits, partial paths, non-first siblings and
     rejected rounds all run on both ranks, alone and concurrently (under DP attention the requests
     spread over both DP ranks): output == no speculation, each request's per-round acceptance is
     its mode's, and the decision check stays silent."""
     path, _, flags = headline.METHODS["nextn_tree2"]
-    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, chat, chat_reference, modes), settings.SPEC_SYNC_CHECK.name: "1"}
+    env = {
+        settings.TEST_DRAFTER.name: replay_drafter(tmp_path, chat, chat_reference, modes),
+        settings.SPEC_SYNC_CHECK.name: "1",
+    }
     srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env=env)
     assert "TEST replay drafter" in srv.log_text()
     single, together = _run(srv, chat)
@@ -190,7 +206,9 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(servers, start_server, chat
     _run(srv, chat, temperature=1.0)
     assert "attn_tp 1/2, dp 1/2" in srv.log_text() and DESYNC_MARK not in srv.log_text()
     # owns this one: the check stops its scheduler
-    srv = start_server(path, *layout, env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"})
+    srv = start_server(
+        path, *layout, env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"}
+    )
     with pytest.raises(Exception):
         for p in chat:
             srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)
@@ -200,7 +218,13 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(servers, start_server, chat
 def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
     # owns its server: the check stops its scheduler
     path, env, flags = headline.METHODS["nextn_chain"]
-    srv = start_server(path, *headline.POOL, *flags, *TP2, env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"})
+    srv = start_server(
+        path,
+        *headline.POOL,
+        *flags,
+        *TP2,
+        env={**env, settings.SPEC_SYNC_CHECK.name: "1", settings.DEBUG_DESYNC_RANK.name: "1"},
+    )
     with pytest.raises(Exception):
         for p in chat:
             srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0)
@@ -208,10 +232,13 @@ def test_an_offset_seed_on_one_rank_is_caught(start_server, chat):
     assert DESYNC_MARK in log and "rank 0" in log and "rank 1" in log and "at round" in log
 
 
-@pytest.mark.parametrize("flags,flag", [
-    (("--tp-size", "3"), "--tp-size 3"),  # 4 heads
-    (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
-])
+@pytest.mark.parametrize(
+    "flags,flag",
+    [
+        (("--tp-size", "3"), "--tp-size 3"),  # 4 heads
+        (("--tp-size", "2", "--ep-size", "4"), "--ep-size 4"),
+    ],
+)
 def test_a_layout_the_model_cannot_take_is_refused_by_flag(flash, flags, flag):
     # owns its server: a startup refusal
     with pytest.raises(ServerFailed) as err:

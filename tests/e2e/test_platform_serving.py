@@ -7,8 +7,9 @@ command failing, so the first test cannot pass without the plugin inside the ser
 
 import pytest
 import torch
-from sglang_dsv4_ascend.tools.server import ServerFailed
 from prompts import load_prompts
+
+from sglang_dsv4_ascend.tools.server import ServerFailed
 
 pytestmark = pytest.mark.e2e
 
@@ -20,9 +21,15 @@ def _hf_greedy(model_path, prompt_ids, n):
     out = []
     for ids in prompt_ids:
         with torch.no_grad():
-            g = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=1, min_new_tokens=n)
-        out.append(g[0, len(ids):].tolist())
+            g = m.generate(
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=1,
+                min_new_tokens=n,
+            )
+        out.append(g[0, len(ids) :].tolist())
     return out
 
 
@@ -59,8 +66,16 @@ def test_same_command_fails_without_our_platform(tiny_llama):
     server: a startup failure)."""
     from sglang_dsv4_ascend.tools.server import SGLangServer
 
-    srv = SGLangServer(tiny_llama, "--device", "cpu", "--attention-backend", "torch_native",
-                       "--sampling-backend", "pytorch", env={"SGLANG_DSV4_PLATFORM": "off"},
-                       startup_timeout=120)
+    srv = SGLangServer(
+        tiny_llama,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        env={"SGLANG_DSV4_PLATFORM": "off"},
+        startup_timeout=120,
+    )
     with pytest.raises(ServerFailed, match="Scheduler hit an exception"):
         srv.start()

@@ -117,8 +117,9 @@ def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, servers):
 def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, servers):
     """A token pool of 2048 tokens and 3 prefix states for 700-token prompts: the tree and the
     state store both evict while requests run; every output equals cold serving, none fails."""
-    srv = servers.get(tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3",
-                      env={"SGLANG_DSV4_PREFIX_STATES": "3"})
+    srv = servers.get(
+        tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3", env={"SGLANG_DSV4_PREFIX_STATES": "3"}
+    )
     idle = _used(srv)
     long = [_ids(700, 200 + i) for i in range(6)]
     with ThreadPoolExecutor(3) as ex:

@@ -32,8 +32,10 @@ VOCAB = 1024  # the random tiny checkpoint's
 DESYNC_MARK = "speculative decisions differ across TP ranks"
 CONCURRENCY = 4  # fuzz requests in flight at once
 SLOW = 30.0  # seconds: no single request may take longer (valid ones generate <= 8 tokens)
-PROBE = {"input_ids": [5, 77, 300, 12, 9, 640, 41, 2, 18, 999, 3, 64, 128, 256, 511, 7, 8, 30],
-         "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+PROBE = {
+    "input_ids": [5, 77, 300, 12, 9, 640, 41, 2, 18, 999, 3, 64, 128, 256, 511, 7, 8, 30],
+    "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,40 +110,116 @@ def message(out) -> str:
 
 CHAT = [{"role": "user", "content": "How many eggs?"}]
 REFUSED = [  # (name, path, body, status, words the message must contain)
-    ("oov id", "/generate", {"input_ids": [1, 2, VOCAB], "sampling_params": {"max_new_tokens": 2}},
-     400, ["input_ids", f"[0, {VOCAB})"]),
-    ("negative id", "/generate", {"input_ids": [1, -3], "sampling_params": {"max_new_tokens": 2}}, 400, ["input_ids", "-3"]),
-    ("oov id in a batch", "/generate",
-     {"input_ids": [[1, 2], [3, VOCAB + 9]], "sampling_params": {"max_new_tokens": 2}}, 400, ["input_ids", str(VOCAB + 9)]),
-    ("oov id, completions", "/v1/completions", {"model": "m", "prompt": [4, VOCAB + 1], "max_tokens": 2},
-     400, ["input_ids", f"[0, {VOCAB})"]),
-    ("top_logprobs_num > vocab", "/generate",
-     {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB + 1, "sampling_params": {"max_new_tokens": 2}},
-     400, ["top_logprobs_num", f"[0, {VOCAB}]"]),
-    ("top_logprobs_num < 0", "/generate",
-     {"text": "hi", "return_logprob": True, "top_logprobs_num": -2, "sampling_params": {"max_new_tokens": 2}},
-     400, ["top_logprobs_num"]),
-    ("completions logprobs > vocab", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": VOCAB + 5},
-     400, ["logprobs", f"[0, {VOCAB}]"]),
-    ("chat top_logprobs > vocab", "/v1/chat/completions",
-     {"model": "m", "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": VOCAB + 1},
-     400, ["top_logprobs", f"[0, {VOCAB}]"]),
-    ("logprob_start_len < -1", "/generate",
-     {"text": "hi", "return_logprob": True, "logprob_start_len": -5, "sampling_params": {"max_new_tokens": 2}},
-     400, ["logprob_start_len", "-5"]),
-    ("logprob_start_len past the prompt", "/generate",
-     {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3, "sampling_params": {"max_new_tokens": 2}},
-     400, ["logprob_start_len", "[0, 3)"]),
-    ("text and input_ids", "/generate", {"text": "hi", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-     400, ["text and input_ids"]),
-    ("input_embeds zeros", "/generate", {"input_embeds": [[0.0] * 64] * 3, "sampling_params": {"max_new_tokens": 2}},
-     400, ["input_embeds", "not supported"]),
-    ("input_embeds wrong width", "/generate", {"input_embeds": [[1.0] * 7] * 3, "sampling_params": {"max_new_tokens": 2}},
-     400, ["input_embeds"]),
-    ("n too large", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 1000}},
-     400, ["n = 1000", "SGLANG_DSV4_MAX_N"]),
-    ("n too large, completions", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 65},
-     400, ["n = 65"]),
+    (
+        "oov id",
+        "/generate",
+        {"input_ids": [1, 2, VOCAB], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_ids", f"[0, {VOCAB})"],
+    ),
+    (
+        "negative id",
+        "/generate",
+        {"input_ids": [1, -3], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_ids", "-3"],
+    ),
+    (
+        "oov id in a batch",
+        "/generate",
+        {"input_ids": [[1, 2], [3, VOCAB + 9]], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_ids", str(VOCAB + 9)],
+    ),
+    (
+        "oov id, completions",
+        "/v1/completions",
+        {"model": "m", "prompt": [4, VOCAB + 1], "max_tokens": 2},
+        400,
+        ["input_ids", f"[0, {VOCAB})"],
+    ),
+    (
+        "top_logprobs_num > vocab",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB + 1, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["top_logprobs_num", f"[0, {VOCAB}]"],
+    ),
+    (
+        "top_logprobs_num < 0",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": -2, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["top_logprobs_num"],
+    ),
+    (
+        "completions logprobs > vocab",
+        "/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": VOCAB + 5},
+        400,
+        ["logprobs", f"[0, {VOCAB}]"],
+    ),
+    (
+        "chat top_logprobs > vocab",
+        "/v1/chat/completions",
+        {"model": "m", "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": VOCAB + 1},
+        400,
+        ["top_logprobs", f"[0, {VOCAB}]"],
+    ),
+    (
+        "logprob_start_len < -1",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "logprob_start_len": -5, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["logprob_start_len", "-5"],
+    ),
+    (
+        "logprob_start_len past the prompt",
+        "/generate",
+        {
+            "input_ids": [1, 2, 3],
+            "return_logprob": True,
+            "logprob_start_len": 3,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+        400,
+        ["logprob_start_len", "[0, 3)"],
+    ),
+    (
+        "text and input_ids",
+        "/generate",
+        {"text": "hi", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["text and input_ids"],
+    ),
+    (
+        "input_embeds zeros",
+        "/generate",
+        {"input_embeds": [[0.0] * 64] * 3, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_embeds", "not supported"],
+    ),
+    (
+        "input_embeds wrong width",
+        "/generate",
+        {"input_embeds": [[1.0] * 7] * 3, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_embeds"],
+    ),
+    (
+        "n too large",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 1000}},
+        400,
+        ["n = 1000", "SGLANG_DSV4_MAX_N"],
+    ),
+    (
+        "n too large, completions",
+        "/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 65},
+        400,
+        ["n = 65"],
+    ),
 ]
 F32 = "[0, 3.4028235e+38]"  # the temperature range in the refusal
 ROUTES = {  # route -> a request on it with these sampling fields (OpenAI names where they differ)
@@ -156,33 +234,75 @@ for _path, _make in ROUTES.items():
         (f"top_k 0, {_path}", _path, _make(top_k=0, temperature=0.7), 400, ["top_k = 0", f"[1, {VOCAB}]"]),
         (f"top_k 0 greedy, {_path}", _path, _make(top_k=0, temperature=0), 400, ["top_k = 0", f"[1, {VOCAB}]"]),
         (f"n 0, {_path}", _path, _make(n=0), 400, ["n = 0", "[1, 64]"]),
-        (f"logit_bias past its range, {_path}", _path, _make(logit_bias={"5": 1e39}), 400,
-         ["logit_bias", "[-100, 100]"]),
+        (
+            f"logit_bias past its range, {_path}",
+            _path,
+            _make(logit_bias={"5": 1e39}),
+            400,
+            ["logit_bias", "[-100, 100]"],
+        ),
         (f"streamed n 0, {_path}", _path, {**_make(n=0), "stream": True}, 400, ["n = 0"]),
         (f"streamed top_k 0, {_path}", _path, {**_make(top_k=0), "stream": True}, 400, ["top_k = 0"]),
     ]
 REFUSED += [
-    ("streamed oov id", "/generate",
-     {"input_ids": [1, VOCAB], "stream": True, "sampling_params": {"max_new_tokens": 2}},
-     400, ["input_ids", f"[0, {VOCAB})"]),
-    ("streamed temperature past float32, batched", "/generate",
-     {"text": ["a", "b"], "stream": True, "sampling_params": [{"max_new_tokens": 2}, {"temperature": 1e39}]},
-     400, ["temperature", F32]),
-    ("min_new_tokens past the context", "/generate",
-     {"text": "hi", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 2**31}}, 400, ["min_new_tokens"]),
-    ("stop_token_ids outside the vocabulary", "/generate",
-     {"text": "hi", "sampling_params": {"stop_token_ids": [2**63]}}, 400, ["stop_token_ids", f"[0, {VOCAB})"]),
+    (
+        "streamed oov id",
+        "/generate",
+        {"input_ids": [1, VOCAB], "stream": True, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        ["input_ids", f"[0, {VOCAB})"],
+    ),
+    (
+        "streamed temperature past float32, batched",
+        "/generate",
+        {"text": ["a", "b"], "stream": True, "sampling_params": [{"max_new_tokens": 2}, {"temperature": 1e39}]},
+        400,
+        ["temperature", F32],
+    ),
+    (
+        "min_new_tokens past the context",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 2**31}},
+        400,
+        ["min_new_tokens"],
+    ),
+    (
+        "stop_token_ids outside the vocabulary",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [2**63]}},
+        400,
+        ["stop_token_ids", f"[0, {VOCAB})"],
+    ),
     # SGLang parses bodies with orjson, which refuses the Infinity / NaN literals; the OpenAI routes
     # read these strings as floats
-    ("temperature 'inf', completions", "/v1/completions", ROUTES["/v1/completions"](temperature="inf"),
-     400, ["temperature", F32]),
-    ("temperature '-Infinity', chat", "/v1/chat/completions", ROUTES["/v1/chat/completions"](temperature="-Infinity"),
-     400, ["temperature", F32]),
-    ("nested 300 levels", "/generate", {"text": "hi", "custom_params": json.loads("[" * 300 + "]" * 300)},
-     400, ["nested deeper than 64"]),
-    ("nested 300 levels, chat", "/v1/chat/completions",
-     {"model": "m", "messages": CHAT, "x": json.loads('{"a":' * 300 + "1" + "}" * 300)},
-     400, ["nested deeper than 64"]),
+    (
+        "temperature 'inf', completions",
+        "/v1/completions",
+        ROUTES["/v1/completions"](temperature="inf"),
+        400,
+        ["temperature", F32],
+    ),
+    (
+        "temperature '-Infinity', chat",
+        "/v1/chat/completions",
+        ROUTES["/v1/chat/completions"](temperature="-Infinity"),
+        400,
+        ["temperature", F32],
+    ),
+    (
+        "nested 300 levels",
+        "/generate",
+        {"text": "hi", "custom_params": json.loads("[" * 300 + "]" * 300)},
+        400,
+        ["nested deeper than 64"],
+    ),
+    (
+        "nested 300 levels, chat",
+        "/v1/chat/completions",
+        {"model": "m", "messages": CHAT, "x": json.loads('{"a":' * 300 + "1" + "}" * 300)},
+        400,
+        ["nested deeper than 64"],
+    ),
 ]
 
 
@@ -198,19 +318,25 @@ def test_refused_requests_name_the_field_and_the_server_keeps_serving(server):
     big = json.dumps({"text": "x" * (10 << 20), "sampling_params": {"max_new_tokens": 2}}).encode()
     got, out, dt = send(server, "/generate", None, raw=big)
     assert got == 413 and "SGLANG_DSV4_MAX_REQUEST_BYTES" in message(out) and dt < 5, (got, dt)
-    got, out, dt = send(server, "/v1/chat/completions", None, raw=json.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "y" * (1 << 20)}]}).encode())
+    got, out, dt = send(
+        server,
+        "/v1/chat/completions",
+        None,
+        raw=json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * (1 << 20)}]}).encode(),
+    )
     assert got == 413 and dt < 5
     assert healthy(server)
     assert probe(server) == before
     # valid neighbours of the refused values still work (a top_k above the vocabulary: every token)
-    for body in ({"input_ids": [0, VOCAB - 1], "sampling_params": {"max_new_tokens": 2}},
-                 {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB, "sampling_params": {"max_new_tokens": 1}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 2}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 3.4e38, "top_k": VOCAB}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 2**31}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 10**12}},
-                 {"text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"5": -100}}}):
+    for body in (
+        {"input_ids": [0, VOCAB - 1], "sampling_params": {"max_new_tokens": 2}},
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": VOCAB, "sampling_params": {"max_new_tokens": 1}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 2}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 3.4e38, "top_k": VOCAB}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 2**31}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 10**12}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"5": -100}}},
+    ):
         got, out, _ = send(server, "/generate", body)
         assert got == 200, (body, out)
     for path, make in ROUTES.items():  # a stream that passes validation still streams
@@ -222,8 +348,20 @@ def test_refused_requests_name_the_field_and_the_server_keeps_serving(server):
 # Fuzz: generated requests, fixed seed. Each class returns (path, body or raw bytes) pairs for a
 # server whose vocabulary has V tokens.
 
-GARBAGE = ["", " ", "\x00", "\ufffd" * 5, "😀" * 40, "\u202e\u200b", "<｜begin▁of▁sentence｜>" * 3,
-           "<｜User｜><｜Assistant｜>", "\\u0000", "a" * 3000, "\n" * 200, "ﷺ" * 30]
+GARBAGE = [
+    "",
+    " ",
+    "\x00",
+    "\ufffd" * 5,
+    "😀" * 40,
+    "\u202e\u200b",
+    "<｜begin▁of▁sentence｜>" * 3,
+    "<｜User｜><｜Assistant｜>",
+    "\\u0000",
+    "a" * 3000,
+    "\n" * 200,
+    "ﷺ" * 30,
+]
 WRONG = [None, True, -1, 0, 1.5, 1e308, "x", "", [], [1], {}, {"a": 1}, [[1]], "NaN", 2**63]
 
 
@@ -236,19 +374,41 @@ def cls_prompts(rng, V):
     for _ in range(20):
         out.append(("/generate", _gen(rng)))
         out.append(("/v1/completions", {"model": "m", "prompt": rng.choice(GARBAGE), "max_tokens": rng.randint(1, 4)}))
-        out.append(("/v1/chat/completions", {"model": "m", "max_tokens": rng.randint(1, 4),
-                                             "messages": [{"role": "user", "content": rng.choice(GARBAGE)}]}))
+        out.append(
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "m",
+                    "max_tokens": rng.randint(1, 4),
+                    "messages": [{"role": "user", "content": rng.choice(GARBAGE)}],
+                },
+            )
+        )
     out.append(("/generate", {"input_ids": [0], "sampling_params": {"max_new_tokens": 2}}))  # only BOS
     out.append(("/generate", {"input_ids": [1, 1, 1], "sampling_params": {"max_new_tokens": 2}}))  # only EOS
     return out
 
 
 def cls_bad_json(rng, V):
-    raws = [b"", b"{", b"[]", b"null", b"42", b'{"text": "hi",}', b'{"text": "\xff\xfe"}', b'{"text": "\\ud800"}',
-            b"{'text': 'hi'}", b'{"text": "hi"}' * 2, b"\x00" * 64, b'{"sampling_params": {"max_new_tokens": 1e999}}',
-            # a RecursionError in the gate's json; a 500 further on
-            b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 30_000 + b"1" + b"}" * 30_000,
-            b"[" * 300 + b"]" * 300, b'{"text": "hi", "x": ' + b'{"a":' * 300 + b"1" + b"}" * 301]
+    raws = [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"42",
+        b'{"text": "hi",}',
+        b'{"text": "\xff\xfe"}',
+        b'{"text": "\\ud800"}',
+        b"{'text': 'hi'}",
+        b'{"text": "hi"}' * 2,
+        b"\x00" * 64,
+        b'{"sampling_params": {"max_new_tokens": 1e999}}',
+        # a RecursionError in the gate's json; a 500 further on
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 30_000 + b"1" + b"}" * 30_000,
+        b"[" * 300 + b"]" * 300,
+        b'{"text": "hi", "x": ' + b'{"a":' * 300 + b"1" + b"}" * 301,
+    ]
     out = [(p, r) for r in raws for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
     out += [("/generate", (b'{"text": "hi"}', "text/plain"))]
     return out
@@ -256,24 +416,77 @@ def cls_bad_json(rng, V):
 
 def cls_wrong_types(rng, V):
     fields = {
-        "/generate": ["text", "input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num",
-                      "logprob_start_len", "rid", "lora_path", "return_text_in_logprobs"],
-        "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs", "echo", "seed",
-                            "stream", "logit_bias", "model", "presence_penalty"],
-        "/v1/chat/completions": ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs",
-                                 "top_logprobs", "tools", "tool_choice", "response_format", "stream", "seed",
-                                 "stream_options", "logit_bias"],
+        "/generate": [
+            "text",
+            "input_ids",
+            "sampling_params",
+            "stream",
+            "return_logprob",
+            "top_logprobs_num",
+            "logprob_start_len",
+            "rid",
+            "lora_path",
+            "return_text_in_logprobs",
+        ],
+        "/v1/completions": [
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "logprobs",
+            "echo",
+            "seed",
+            "stream",
+            "logit_bias",
+            "model",
+            "presence_penalty",
+        ],
+        "/v1/chat/completions": [
+            "messages",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "logprobs",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "response_format",
+            "stream",
+            "seed",
+            "stream_options",
+            "logit_bias",
+        ],
     }
-    base = {"/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
-            "/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2},
-            "/v1/chat/completions": {"model": "m", "messages": CHAT, "max_tokens": 2}}
+    base = {
+        "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+        "/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2},
+        "/v1/chat/completions": {"model": "m", "messages": CHAT, "max_tokens": 2},
+    }
     out = []
     for path, names in fields.items():
         for name in names:
             for value in rng.sample(WRONG, 4):
                 out.append((path, {**base[path], name: value}))
-    params = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
-              "frequency_penalty", "repetition_penalty", "ignore_eos", "regex", "json_schema", "logit_bias"]
+    params = [
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "stop",
+        "stop_token_ids",
+        "frequency_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "regex",
+        "json_schema",
+        "logit_bias",
+    ]
     for name in params:
         # max_new_tokens=None is valid (generate to the end of the context), just slow
         for value in rng.sample([w for w in WRONG if not (w is None and name == "max_new_tokens")], 4):
@@ -283,14 +496,21 @@ def cls_wrong_types(rng, V):
 
 def cls_lengths_and_sampling(rng, V):
     out = []
-    for v in (-10**9, -1, 0, 10**5, 10**9, 2**63, 1e30):
+    for v in (-(10**9), -1, 0, 10**5, 10**9, 2**63, 1e30):
         out.append(("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": v}}))
         out.append(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": v}))
         out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": v}))
-    extremes = {"temperature": [-1, -1e-9, 0, 1e-30, 1e9, float("inf")], "top_p": [-1, 0, 1e-9, 1.0001, 5],
-                "top_k": [-2, 0, 1, V, V * 10], "min_p": [-0.5, 0, 1, 2],
-                "frequency_penalty": [-3, 3, 1e9], "presence_penalty": [-3, 3], "repetition_penalty": [-1, 0, 1e9],
-                "n": [0, -1, 2, 3], "seed": [-1, 2**64]}
+    extremes = {
+        "temperature": [-1, -1e-9, 0, 1e-30, 1e9, float("inf")],
+        "top_p": [-1, 0, 1e-9, 1.0001, 5],
+        "top_k": [-2, 0, 1, V, V * 10],
+        "min_p": [-0.5, 0, 1, 2],
+        "frequency_penalty": [-3, 3, 1e9],
+        "presence_penalty": [-3, 3],
+        "repetition_penalty": [-1, 0, 1e9],
+        "n": [0, -1, 2, 3],
+        "seed": [-1, 2**64],
+    }
     for name, values in extremes.items():
         for v in values:
             sp = {"max_new_tokens": 3, name: v}
@@ -308,8 +528,19 @@ HUGE = [10**400, -(10**400)]  # integer literals past float64, standing for +-in
 NAN_STRINGS = ["NaN", "nan", "inf", "-Infinity", "Infinity"]
 EXTREMES = F32_EDGES + I32_EDGES + HUGE + NAN_STRINGS + [0, -1]
 OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-NUMERIC = ["temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "n", "max_new_tokens", "min_new_tokens", "sampling_seed"]
+NUMERIC = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "n",
+    "max_new_tokens",
+    "min_new_tokens",
+    "sampling_seed",
+]
 
 
 def _on(path, field, value):
@@ -347,8 +578,16 @@ def cls_inf_literals(rng, V):
     out = []
     for lit in (b"1e999", b"-1e999", b"NaN", b"Infinity", b"-Infinity"):
         for field in ("temperature", "top_p", "top_k", "n", "min_p", "repetition_penalty"):
-            out.append(("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 2, "' + field.encode()
-                        + b'": ' + lit + b"}}"))
+            out.append(
+                (
+                    "/generate",
+                    b'{"text": "hi", "sampling_params": {"max_new_tokens": 2, "'
+                    + field.encode()
+                    + b'": '
+                    + lit
+                    + b"}}",
+                )
+            )
             for path in ("/v1/completions", "/v1/chat/completions"):
                 body = json.dumps(ROUTES[path](**{field: "__LIT__"})).encode()
                 out.append((path, body.replace(b'"__LIT__"', lit)))
@@ -384,14 +623,41 @@ def cls_logprobs(rng, V):
     out = []
     for k in (-(2**31), -1, 0, 1, 5, V - 1, V, V + 1, 10**6):
         for start in (-9, -1, 0, 2, 100):
-            out.append(("/generate", {"input_ids": [1, 2, 3, 4], "return_logprob": True, "top_logprobs_num": k,
-                                      "logprob_start_len": start, "sampling_params": {"max_new_tokens": 2}}))
-        out.append(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": k,
-                                        "echo": rng.random() < 0.5}))
-        out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 2, "logprobs": True,
-                                             "top_logprobs": k}))
-    out.append(("/generate", {"text": "hi", "return_logprob": True, "token_ids_logprob": [V + 4],
-                              "sampling_params": {"max_new_tokens": 2}}))
+            out.append(
+                (
+                    "/generate",
+                    {
+                        "input_ids": [1, 2, 3, 4],
+                        "return_logprob": True,
+                        "top_logprobs_num": k,
+                        "logprob_start_len": start,
+                        "sampling_params": {"max_new_tokens": 2},
+                    },
+                )
+            )
+        out.append(
+            (
+                "/v1/completions",
+                {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": k, "echo": rng.random() < 0.5},
+            )
+        )
+        out.append(
+            (
+                "/v1/chat/completions",
+                {"model": "m", "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": k},
+            )
+        )
+    out.append(
+        (
+            "/generate",
+            {
+                "text": "hi",
+                "return_logprob": True,
+                "token_ids_logprob": [V + 4],
+                "sampling_params": {"max_new_tokens": 2},
+            },
+        )
+    )
     return out
 
 
@@ -410,20 +676,54 @@ def cls_conflicts(rng, V):
 
 
 def cls_chat(rng, V):
-    msgs = [[], [{}], [{"role": "user"}], [{"content": "hi"}], [{"role": "bogus", "content": "hi"}],
-            [{"role": "user", "content": None}], [{"role": "user", "content": 5}],
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
-            [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": "nope", "text": "x"}]}],
-            [{"role": "assistant", "content": "hi"}], [{"role": "system", "content": "s"}],
-            [{"role": "tool", "content": "x", "tool_call_id": 5}], [{"role": "user", "content": "hi"}] * 300,
-            [{"role": "user", "content": "hi", "extra": {"deep": [1, 2, {"x": None}]}}],
-            [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{bad"}}]}]]
+    msgs = [
+        [],
+        [{}],
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": "bogus", "content": "hi"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "user", "content": [{"type": "nope", "text": "x"}]}],
+        [{"role": "assistant", "content": "hi"}],
+        [{"role": "system", "content": "s"}],
+        [{"role": "tool", "content": "x", "tool_call_id": 5}],
+        [{"role": "user", "content": "hi"}] * 300,
+        [{"role": "user", "content": "hi", "extra": {"deep": [1, 2, {"x": None}]}}],
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}],
+            }
+        ],
+    ]
     out = [("/v1/chat/completions", {"model": "m", "messages": m, "max_tokens": 2}) for m in msgs]
-    out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 2,
-                                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}))
-    out.append(("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 2,
-                                         "tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}))
+    out.append(
+        (
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": CHAT,
+                "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+            },
+        )
+    )
+    out.append(
+        (
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": CHAT,
+                "max_tokens": 2,
+                "tools": [{"type": "function", "function": {"name": ""}}],
+                "tool_choice": "required",
+            },
+        )
+    )
     return out
 
 
@@ -434,8 +734,20 @@ def cls_streams(rng, V):
     return out
 
 
-CLASSES = [cls_prompts, cls_bad_json, cls_wrong_types, cls_lengths_and_sampling, cls_numeric_extremes,
-           cls_inf_literals, cls_stops, cls_vocab, cls_logprobs, cls_conflicts, cls_chat, cls_streams]
+CLASSES = [
+    cls_prompts,
+    cls_bad_json,
+    cls_wrong_types,
+    cls_lengths_and_sampling,
+    cls_numeric_extremes,
+    cls_inf_literals,
+    cls_stops,
+    cls_vocab,
+    cls_logprobs,
+    cls_conflicts,
+    cls_chat,
+    cls_streams,
+]
 
 
 # The speculative and parallel servers the fuzz also runs against: (headline method, flags,
@@ -527,8 +839,13 @@ def test_a_request_the_pool_cannot_hold_is_refused_and_stalls_no_one(server):
         got, out, dt = send(server, "/generate", {"input_ids": ids(n), "sampling_params": {"max_new_tokens": m}})
         text = message(out)
         assert got == 400, (n, m, got, text[:300])
-        for words in (f"input_ids: {n} prompt tokens + max_new_tokens {m}", f"holds {pool} tokens",
-                      f"{page}-token pages", "--max-total-tokens", f"At most {most} prompt tokens"):
+        for words in (
+            f"input_ids: {n} prompt tokens + max_new_tokens {m}",
+            f"holds {pool} tokens",
+            f"{page}-token pages",
+            "--max-total-tokens",
+            f"At most {most} prompt tokens",
+        ):
             assert words in text, (words, text)
         assert dt < 10, (n, m, dt)
     got, out, dt = send(server, "/generate", {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}})

@@ -37,7 +37,9 @@ def prompts():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
-    return [tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)]
+    return [
+        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +74,9 @@ def test_nextn_variant_has_the_same_trunk(servers, prompts, reference):
 
 
 # DSpark adaptive (the README's main command) is the smoke test of `scripts/test.sh --quick`
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.smoke) if m == "dspark_adaptive" else m
-                                    for m in METHODS])
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.smoke) if m == "dspark_adaptive" else m for m in METHODS]
+)
 def test_greedy_equals_no_speculation_and_drafts_are_accepted(servers, prompts, reference, method):
     # the servers of the headline methods are shared (test_prefix_cache_serving.py, test_bench_serve.py)
     path, env, args = METHODS[method]

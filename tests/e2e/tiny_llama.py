@@ -22,9 +22,16 @@ def write_tiny_llama(out_dir: str, seed: int = 0) -> str:
             os.remove(os.path.join(out_dir, f))
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=PRESETS["flash"].vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        vocab_size=PRESETS["flash"].vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)

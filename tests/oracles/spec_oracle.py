@@ -157,7 +157,6 @@ def sampler_probs(logits_row, temperature, top_k, top_p, min_p) -> list[float]:
 def sampler_margin(logits_row, temperature, top_k, top_p, min_p) -> float:
     """Distance of the row's top-p / min-p decisions from their thresholds (inf if none apply).
     fp32 and float64 may decide differently only when this is tiny."""
-    V = len(logits_row)
     if temperature < 1e-6 or top_k == 1:
         return math.inf
     z = [x / temperature for x in logits_row]

@@ -105,8 +105,13 @@ def int_matmul(xq: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
     return np.asarray(xq, dtype=np.int64) @ np.asarray(w_nk, dtype=np.int64).T
 
 
-def dequant(acc: np.ndarray, scale: np.ndarray, x_scale: np.ndarray | None = None, bias: np.ndarray | None = None,
-            out: str = "bf16") -> np.ndarray:
+def dequant(
+    acc: np.ndarray,
+    scale: np.ndarray,
+    x_scale: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    out: str = "bf16",
+) -> np.ndarray:
     """npu_quant_matmul epilogue. Returns uint16 bf16 bits (out='bf16') or float32 (out='fp32').
     int bias (integer dtype) added to acc first; float bias added after the scales."""
     acc = np.asarray(acc, dtype=np.int64)
@@ -129,8 +134,8 @@ def grouped(xq, w_enk, scales, per_token, counts, out: str = "bf16"):
     start = 0
     for g, c in enumerate(counts):
         if c:
-            acc = int_matmul(xq[start:start + c], w_enk[g])
-            res[start:start + c] = dequant(acc, scales[g], per_token[start:start + c], out=out)
+            acc = int_matmul(xq[start : start + c], w_enk[g])
+            res[start : start + c] = dequant(acc, scales[g], per_token[start : start + c], out=out)
         start += c
     return res
 
@@ -157,7 +162,7 @@ def moe_chain(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, silu):
     for t in range(T):
         for j in range(k):
             e = int(topk_ids[t, j])
-            h = bf16_to_f32(dequant(int_matmul(xq[t:t + 1], w13[e]), s13[e], xs[t:t + 1]))
+            h = bf16_to_f32(dequant(int_matmul(xq[t : t + 1], w13[e]), s13[e], xs[t : t + 1]))
             a = bf16_to_f32(bf16_round_bits(swiglu_clamped_f32(h, limit, silu)))
             aq, a_s = dynamic_quant(a)
             per[t, j] = bf16_to_f32(dequant(int_matmul(aq, w2[e]), s2[e], a_s))[0]

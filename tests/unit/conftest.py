@@ -23,4 +23,3 @@ def dsv4_model(tiny_ckpt):
         return models[preset]
 
     return get
-

@@ -11,15 +11,20 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_dsv4_ascend.attention_backend.backend import DSV4AscendBackend, segments_from_batch
 from sglang_dsv4_ascend.attention_backend.pool import DSV4TokenToKVPool
-from sglang_dsv4_ascend.config import DSV4Config
 from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.config import DSV4Config
 
 
 def fb(mode, slots, positions, seq_lens, extend_lens=None):
-    return SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor(slots),
-                           positions=torch.tensor(positions), seq_lens=torch.tensor(seq_lens),
-                           seq_lens_cpu=torch.tensor(seq_lens), extend_seq_lens_cpu=extend_lens,
-                           batch_size=len(slots))
+    return SimpleNamespace(
+        forward_mode=mode,
+        req_pool_indices=torch.tensor(slots),
+        positions=torch.tensor(positions),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=torch.tensor(seq_lens),
+        extend_seq_lens_cpu=extend_lens,
+        batch_size=len(slots),
+    )
 
 
 def test_decode_segments_start_at_each_requests_position():
@@ -69,8 +74,15 @@ def cfg(tiny_ckpt):
 
 def _pool(cfg, page_size=128, slots=3, ctx=512, size=1024):
     req_to_token = torch.zeros(slots, ctx, dtype=torch.int32)
-    return DSV4TokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, cfg=cfg,
-                             req_to_token=req_to_token, spec_slack=0, device="cpu")
+    return DSV4TokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.float32,
+        cfg=cfg,
+        req_to_token=req_to_token,
+        spec_slack=0,
+        device="cpu",
+    )
 
 
 def test_pool_pages_entries_through_req_to_token(cfg):
@@ -96,8 +108,9 @@ def test_pool_refuses_what_it_cannot_hold(cfg):
 
 def test_backend_builds_segments_once_per_forward_and_refuses_radix_attention(cfg):
     pool = _pool(cfg)
-    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=pool.cache.token_slots),
-                             token_to_kv_pool=pool)
+    runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=pool.cache.token_slots), token_to_kv_pool=pool
+    )
     backend = DSV4AscendBackend(runner)
     assert backend.cache is pool.cache
     backend.init_forward_metadata(fb(ForwardMode.DECODE, [2], [10], [11]))

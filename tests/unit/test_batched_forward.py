@@ -150,8 +150,8 @@ def test_batched_forward_has_no_host_sync(tiny_ckpt):
     import json
     import os
 
-    from sglang_dsv4_ascend.kvcache.plan import build_plan
     from sglang_dsv4_ascend.config import DSV4Config
+    from sglang_dsv4_ascend.kvcache.plan import build_plan
     from sglang_dsv4_ascend.models.trunk import DSV4Model
 
     with open(os.path.join(tiny_ckpt("pro"), "config.json")) as f:
@@ -229,8 +229,9 @@ def test_peak_memory_of_an_8k_chunk_at_64k_context_is_bounded(tiny_ckpt):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, tiny_ckpt("flash"), "batched"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, tiny_ckpt("flash"), "batched"], capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     peak, seconds = r.stdout.split()
     assert int(peak) < PEAK_BOUND, f"peak grew by {int(peak) / 2**20:.0f} MiB in {float(seconds):.0f} s"

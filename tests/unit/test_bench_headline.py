@@ -6,9 +6,17 @@ from sglang_dsv4_ascend.bench import headline, serve
 
 
 def _lv(ds, c, tps, hist):
-    return {"dataset": ds, "concurrency": c, "output_tok_per_s": tps, "tpot_ms": {"mean": 1.0},
-            "ttft_ms": {"p50": 1.0}, "accept_length_mean": None, "errors": 0,
-            "correct_drafts_histogram": hist, "draft_positions": None if hist is None else len(hist) - 1}
+    return {
+        "dataset": ds,
+        "concurrency": c,
+        "output_tok_per_s": tps,
+        "tpot_ms": {"mean": 1.0},
+        "ttft_ms": {"p50": 1.0},
+        "accept_length_mean": None,
+        "errors": 0,
+        "correct_drafts_histogram": hist,
+        "draft_positions": None if hist is None else len(hist) - 1,
+    }
 
 
 def test_acceptance_is_pooled_over_rounds():
@@ -21,8 +29,10 @@ def test_acceptance_is_pooled_over_rounds():
 
 
 def test_ratios_are_against_nospec_at_the_same_point():
-    res = {"nospec": {"levels": [_lv("g", 1, 10.0, None), _lv("g", 8, 40.0, None), _lv("h", 1, 20.0, None)]},
-           "x": {"levels": [_lv("g", 1, 15.0, [1, 1]), _lv("g", 8, 20.0, [1, 1]), _lv("h", 1, 30.0, [1, 1])]}}
+    res = {
+        "nospec": {"levels": [_lv("g", 1, 10.0, None), _lv("g", 8, 40.0, None), _lv("h", 1, 20.0, None)]},
+        "x": {"levels": [_lv("g", 1, 15.0, [1, 1]), _lv("g", 8, 20.0, [1, 1]), _lv("h", 1, 30.0, [1, 1])]},
+    }
     got = {(r["method"], r["dataset"], r["concurrency"]): r["tok_s_ratio"] for r in headline.ratios(res)}
     assert got[("x", "g", 1)] == 1.5 and got[("x", "g", 8)] == 0.5 and got[("x", "h", 1)] == 1.5
     assert got[("nospec", "g", 8)] == 1.0

@@ -16,8 +16,18 @@ import pytest
 
 from sglang_dsv4_ascend.bench import spec
 
-ARGS = ["--algo", "nextn", "--batch", "1,2", "--configs", "nospec,chain2,tree2", "--new-tokens", "6",
-        "--prompt-len", "24"]
+ARGS = [
+    "--algo",
+    "nextn",
+    "--batch",
+    "1,2",
+    "--configs",
+    "nospec,chain2,tree2",
+    "--new-tokens",
+    "6",
+    "--prompt-len",
+    "24",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +45,18 @@ def _rows(report, **match):
 def test_layout(report):
     cfg = report["config"]
     assert report["bench"] == "spec" and cfg["algo"] == "nextn" and cfg["mode"] == "in-process"
-    assert cfg["configs"] == {"nospec": None, "chain2": {"topk": 1, "steps": 2, "draft_tokens": 3},
-                              "tree2": {"topk": 2, "steps": 3, "draft_tokens": 6}}
+    assert cfg["configs"] == {
+        "nospec": None,
+        "chain2": {"topk": 1, "steps": 2, "draft_tokens": 3},
+        "tree2": {"topk": 2, "steps": 3, "draft_tokens": 6},
+    }
     assert cfg["batch"] == [1, 2] and cfg["new_tokens"] == 6 and cfg["prompt_len"] == 24
     # every (config, drafter, batch) once, no-spec once per batch
     keys = sorted((r["config"], str(r["drafter"]), r["batch"]) for r in report["results"])
-    want = sorted([("nospec", "None", b) for b in (1, 2)] +
-                  [(c, d, b) for c in ("chain2", "tree2") for d in ("nextn", "replay") for b in (1, 2)])
+    want = sorted(
+        [("nospec", "None", b) for b in (1, 2)]
+        + [(c, d, b) for c in ("chain2", "tree2") for d in ("nextn", "replay") for b in (1, 2)]
+    )
     assert keys == want
 
 
@@ -102,8 +117,14 @@ def test_dspark_bench_measures_static_adaptive_and_nextn_side_by_side():
     assert doc["same_trunk"] is True and doc["cost_model"]["points"]
     g = doc["gamma"]
     rows = {(r["config"], r.get("drafter")): r for r in doc["results"]}
-    assert set(rows) >= {("nospec", None), (f"nextn_chain{g}", "nextn"), ("dspark_static", "dspark"),
-                         ("dspark_static", "replay"), ("dspark_adaptive", "dspark"), ("dspark_adaptive", "replay")}
+    assert set(rows) >= {
+        ("nospec", None),
+        (f"nextn_chain{g}", "nextn"),
+        ("dspark_static", "dspark"),
+        ("dspark_static", "replay"),
+        ("dspark_adaptive", "dspark"),
+        ("dspark_adaptive", "replay"),
+    }
     assert all(r.get("lossless", True) for r in doc["results"])
     assert rows[("dspark_static", "replay")]["mean_accept_length"] == g + 1
     assert rows[("dspark_static", "dspark")]["target_rows_per_round"] == 2 * (g + 1)

@@ -15,7 +15,8 @@ def test_readme_settings_tables_are_the_settings_table():
         assert m, f"README.md has no generated '{group}' settings table"
         assert m.group(1) == settings.markdown_table(group), (
             f"README.md's {group} settings table differs from sglang_dsv4_ascend/settings.py; "
-            "paste the output of `python -m sglang_dsv4_ascend.settings`")
+            "paste the output of `python -m sglang_dsv4_ascend.settings`"
+        )
     documented = set(re.findall(r"SGLANG_DSV4_[A-Z0-9_]*[A-Z0-9]", text))
     assert documented <= set(settings.BY_NAME), documented - set(settings.BY_NAME)
 
@@ -26,11 +27,18 @@ def _register():
     heads = list(re.finditer(r"^### ([\d, ]+)\. (.+?) — (\w+) (.+)$", text, re.M))
     out = []
     for k, m in enumerate(heads):
-        section = text[m.end(): heads[k + 1].start() if k + 1 < len(heads) else len(text)]
+        section = text[m.end() : heads[k + 1].start() if k + 1 < len(heads) else len(text)]
         sig = re.search(r"\*\*Expected signature\*\*: `\((.*?)\)`", section, re.S)
         params = tuple(p.strip() for p in " ".join(sig.group(1).split()).split(",") if p.strip()) if sig else None
-        out.append(([int(n) for n in m.group(1).split(",")], re.findall(r"`([^`]+)`", m.group(2)), m.group(3),
-                    re.findall(r"`([^`]+)`", m.group(4)), params))
+        out.append(
+            (
+                [int(n) for n in m.group(1).split(",")],
+                re.findall(r"`([^`]+)`", m.group(2)),
+                m.group(3),
+                re.findall(r"`([^`]+)`", m.group(4)),
+                params,
+            )
+        )
     return out
 
 
@@ -47,7 +55,8 @@ def test_patches_register_is_what_is_installed():
     assert documented == installed
     for h in HOOKS:
         assert h.body.__module__ == f"sglang_dsv4_ascend.integration.hooks.{h.name}" or (
-            h.name == "spec_stats_every_completion_chunk"), (h.name, h.body.__module__)
+            h.name == "spec_stats_every_completion_chunk"
+        ), (h.name, h.body.__module__)
 
 
 DOCS = ("docs/ARCHITECTURE.md", "README.md", "patches/README.md")
@@ -91,8 +100,7 @@ def test_docs_name_only_paths_that_exist():
     sglang = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
     roots = [REPO, REPO / "sglang_dsv4_ascend", REPO / "tests", sglang / "srt", sglang]
     basenames = {p.name for p in REPO.rglob("*") if ".git" not in p.parts}
-    missing = [f"{name}: {t}" for name in DOCS for t in sorted(_named_paths(name))
-               if not _exists(t, roots, basenames)]
+    missing = [f"{name}: {t}" for name in DOCS for t in sorted(_named_paths(name)) if not _exists(t, roots, basenames)]
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 

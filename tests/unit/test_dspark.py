@@ -14,8 +14,9 @@ from sglang_dsv4_ascend import settings as dsv4_settings
 from sglang_dsv4_ascend.speculative import planner as P
 from tests.oracles.dspark_oracle import oracle_block, oracle_budget, oracle_select
 
-conf_rows = st.lists(st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.5, 0.7, 0.9, 1.0]), min_size=4, max_size=4),
-                     min_size=1, max_size=6)
+conf_rows = st.lists(
+    st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.5, 0.7, 0.9, 1.0]), min_size=4, max_size=4), min_size=1, max_size=6
+)
 costs = st.tuples(st.floats(0.001, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0.01))
 
 
@@ -102,6 +103,7 @@ def test_broken_budget_biases_acceptance_decisions():
 
 # -- the draft block ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
@@ -170,11 +172,17 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
 
     trunk, draft = tiny
     cache = trunk.make_cache(1, 128, 8)
-    eng = types.SimpleNamespace(model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg), cache=cache,
-                                device=torch.device("cpu"), gamma=3, generator=torch.Generator().manual_seed(1))
+    eng = types.SimpleNamespace(
+        model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg),
+        cache=cache,
+        device=torch.device("cpu"),
+        gamma=3,
+        generator=torch.Generator().manual_seed(1),
+    )
     dr = DSparkDrafter(eng)
     prompt = list(range(3, 30))
     from sglang_dsv4_ascend.batch import Segment
+
     aux = {"layer_ids": dr.layer_ids}
     trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], cache, aux=aux)
     dr.extend([Segment(0, 0, len(prompt))], None, aux, None, [])
@@ -190,8 +198,10 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
     counts = torch.bincount(torch.tensor([d.trees[0].tokens[1] for d in draws]), minlength=q.numel()).double()
     expected = q.double() * len(draws)
     big = expected >= 5
-    chi2 = float((((counts - expected) ** 2 / expected)[big]).sum()
-                 + (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
+    chi2 = float(
+        (((counts - expected) ** 2 / expected)[big]).sum()
+        + (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9)
+    )
     dof = int(big.sum())
     assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
 
@@ -281,9 +291,17 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     gamma, T = 2, 0.7
     cache = trunk.make_cache(1, 128, gamma + 1)
     model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
-    eng = SpecEngine(model, cache, DSparkDrafter, torch.Generator().manual_seed(3),
-                     planner=P.Planner(gamma, "adaptive", P.CostModel(0.01, 0.0, 0.001)), gamma=gamma, topk=1,
-                     num_steps=gamma, num_draft_tokens=gamma + 1)
+    eng = SpecEngine(
+        model,
+        cache,
+        DSparkDrafter,
+        torch.Generator().manual_seed(3),
+        planner=P.Planner(gamma, "adaptive", P.CostModel(0.01, 0.0, 0.001)),
+        gamma=gamma,
+        topk=1,
+        num_steps=gamma,
+        num_draft_tokens=gamma + 1,
+    )
     prompt = list(range(3, 30))
     seg = [Segment(0, 0, len(prompt))]
     aux = {"layer_ids": eng.drafter.layer_ids}

@@ -41,8 +41,9 @@ def test_rounds_as_the_served_head(dtype):
     got = head_logits(head, h, Layout(), head.out_features)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     # --enable-fp32-lm-head: the served head computes in fp32, and so does ours
-    assert torch.equal(head_logits(head, h, Layout(), head.out_features, fp32=True),
-                       _sglang_head(h, head, fp32=True).float())
+    assert torch.equal(
+        head_logits(head, h, Layout(), head.out_features, fp32=True), _sglang_head(h, head, fp32=True).float()
+    )
 
 
 def test_vocab_parallel_columns_round_as_one_rank():
@@ -54,7 +55,7 @@ def test_bf16_rows_are_row_invariant():
     """A verify row must get the bits of the same row decoded alone (batch of one)."""
     head, h = _case(torch.bfloat16, rows=16)
     full = head_logits(head, h, Layout(), head.out_features)
-    alone = torch.cat([head_logits(head, h[i:i + 1], Layout(), head.out_features) for i in range(16)])
+    alone = torch.cat([head_logits(head, h[i : i + 1], Layout(), head.out_features) for i in range(16)])
     assert torch.equal(full, alone)
 
 
@@ -70,6 +71,7 @@ def test_an_fp32_head_on_bf16_weights_is_caught():
 
 # -- what decides a token before the head: the rows of a verify forward vs one-row decodes ---------
 
+
 def test_mhc_mix_is_row_invariant_and_plain_linear_is_caught():
     """mHC's fp32 mix (ops.reference.mhc_mix) decides every token's stream weights: one row alone
     must get the bits it gets among 5 or 16 (a verify forward's rows). A plain fp32 F.linear takes
@@ -82,10 +84,10 @@ def test_mhc_mix_is_row_invariant_and_plain_linear_is_caught():
     streams, fn = torch.randn(16, 4, 128, generator=g), torch.randn(24, 4 * 128, generator=g)
     full = reference.mhc_mix(streams, fn, 1e-6)
     for rows in (1, 3, 5):
-        part = torch.cat([reference.mhc_mix(streams[i:i + rows], fn, 1e-6) for i in range(0, 15, rows)])
-        assert torch.equal(part, full[:part.shape[0]]), rows
+        part = torch.cat([reference.mhc_mix(streams[i : i + rows], fn, 1e-6) for i in range(0, 15, rows)])
+        assert torch.equal(part, full[: part.shape[0]]), rows
     v = reference.rms_norm(streams.flatten(-2), None, 1e-6)
-    plain_full, plain_one = F.linear(v, fn), torch.cat([F.linear(v[i:i + 1], fn) for i in range(16)])
+    plain_full, plain_one = F.linear(v, fn), torch.cat([F.linear(v[i : i + 1], fn) for i in range(16)])
     if torch.equal(plain_full, plain_one):
         pytest.skip("this CPU's fp32 matmul is row-invariant by itself: no broken variant to catch")
     assert torch.equal(plain_full, full)  # the padded rows are the blocked gemm's own bits
@@ -99,8 +101,11 @@ def test_router_weights_are_row_invariant_and_the_unpadded_softplus_is_caught():
 
     from sglang_dsv4_ascend.layers.moe import Gate
 
-    cfg = type("Cfg", (), dict(num_experts_per_tok=2, routed_scaling_factor=1.5, n_routed_experts=8,
-                               hidden_size=64, vocab_size=16))()
+    cfg = type(
+        "Cfg",
+        (),
+        dict(num_experts_per_tok=2, routed_scaling_factor=1.5, n_routed_experts=8, hidden_size=64, vocab_size=16),
+    )()
     gate = Gate(cfg, is_hash=False)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -109,10 +114,10 @@ def test_router_weights_are_row_invariant_and_the_unpadded_softplus_is_caught():
     ids = torch.zeros(40, dtype=torch.long)
     e_all, w_all = gate(y, ids)
     for i in range(40):
-        e, w = gate(y[i:i + 1], ids[i:i + 1])
+        e, w = gate(y[i : i + 1], ids[i : i + 1])
         assert torch.equal(e[0], e_all[i]) and torch.equal(w[0], w_all[i]), i
     x = torch.randn(64, 8, generator=g) * 3
-    if torch.equal(F.softplus(x), torch.cat([F.softplus(x[i:i + 1]) for i in range(64)])):
+    if torch.equal(F.softplus(x), torch.cat([F.softplus(x[i : i + 1]) for i in range(64)])):
         pytest.skip("this CPU's softplus is row-invariant by itself: no broken variant to catch")
 
 
@@ -132,9 +137,9 @@ def _forward(m, cache, slot, seq, a, b, others=()):
     segs, ids, pos = [Segment(slot, a, b - a)], [seq[a:b]], [torch.arange(a, b)]
     for s2, seq2, a2, n2 in others:
         segs.append(Segment(s2, a2, n2))
-        ids.append(seq2[a2:a2 + n2])
+        ids.append(seq2[a2 : a2 + n2])
         pos.append(torch.arange(a2, a2 + n2))
-    return m.compute_logits(m(torch.cat(ids), torch.cat(pos), segs, cache, pending=None))[:b - a]
+    return m.compute_logits(m(torch.cat(ids), torch.cat(pos), segs, cache, pending=None))[: b - a]
 
 
 @pytest.mark.parametrize("prompt_set,index,max_chars", [("humaneval", 6, None), ("gsm8k", 9, 400)])

@@ -25,12 +25,12 @@ import torch
 
 import sglang_dsv4_ascend.layers.indexer as indexer_mod
 from sglang_dsv4_ascend import ops
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.config import DSV4Config
 from sglang_dsv4_ascend.layers.compressor import Compressor
 from sglang_dsv4_ascend.layers.indexer import Indexer
 from sglang_dsv4_ascend.layers.moe import Gate
 from sglang_dsv4_ascend.layers.rope import inv_freq_for
-from sglang_dsv4_ascend.batch import Segment
 
 ATOL = RTOL = 1e-4  # fp32; observed max |diff| ~5e-6 on logits of magnitude ~5
 T = 300
@@ -105,7 +105,9 @@ def test_batched_tie_break_takes_lowest_index_across_chunks(dsv4_model, monkeypa
     T, n_com, n_new = 3, 13, 6
     q, w = torch.randn(T, indexer.n_heads, indexer.head_dim), torch.randn(T, indexer.n_heads)
     z = torch.zeros(T, dtype=torch.long)
-    com = Source(torch.zeros(n_com, indexer.head_dim), torch.arange(n_com)[None] * 4, z, z, torch.tensor([13, 2, 0]), None, 4)
+    com = Source(
+        torch.zeros(n_com, indexer.head_dim), torch.arange(n_com)[None] * 4, z, z, torch.tensor([13, 2, 0]), None, 4
+    )
     new = Source(torch.zeros(n_new, indexer.head_dim), torch.arange(n_new)[None], z, z, torch.tensor([6, 1, 3]))
     rp = SimpleNamespace(max_committed=n_com, max_new=n_new, com_hi=torch.tensor([13, 2, 0]))
     a, b = indexer.select_batched(q, w, com, new, rp, T, n_swa=0)
@@ -164,11 +166,15 @@ def test_sequences_have_no_near_ties(preset, dsv4_model, monkeypatch):
     def record(sorted_scores, k):  # relative gap between the k-th and (k+1)-th, exact ties excluded
         a, b = sorted_scores[:, k - 1], sorted_scores[:, k]
         ok = torch.isfinite(b) & (a != b)
-        gaps.append(((a - b)[ok] / sorted_scores[ok, 0].abs().clamp_min(1e-30)).min() if ok.any() else torch.tensor(1.0))
+        gaps.append(
+            ((a - b)[ok] / sorted_scores[ok, 0].abs().clamp_min(1e-30)).min() if ok.any() else torch.tensor(1.0)
+        )
 
     def select(self, q, w, keys, positions):
         if keys.shape[0] > self.topk:
-            s = self.scores(q, w, keys).masked_fill(torch.arange(keys.shape[0]) >= ((positions + 1) // 4)[:, None], -torch.inf)
+            s = self.scores(q, w, keys).masked_fill(
+                torch.arange(keys.shape[0]) >= ((positions + 1) // 4)[:, None], -torch.inf
+            )
             record(s.sort(dim=-1, descending=True).values, self.topk)
         return orig_select(self, q, w, keys, positions)
 
@@ -239,8 +245,15 @@ def _sabotage(name, model, mp):
             mp.setattr(blk.ffn.gate, "bias", torch.zeros(8), raising=False)
 
 
-SABOTAGES = ["indexer_selects_all", "compressor_zeroed", "no_attention_sink", "no_inverse_rope_on_output",
-             "window_one_short", "no_yarn", "hash_layers_use_topk"]
+SABOTAGES = [
+    "indexer_selects_all",
+    "compressor_zeroed",
+    "no_attention_sink",
+    "no_inverse_rope_on_output",
+    "window_one_short",
+    "no_yarn",
+    "hash_layers_use_topk",
+]
 
 
 @pytest.mark.parametrize("name", SABOTAGES)

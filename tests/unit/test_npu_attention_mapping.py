@@ -29,13 +29,43 @@ from sglang_dsv4_ascend.ops.reference import Source
 
 TOL = 1e-5  # fp32, the same math in another order
 _FIA_KWARGS = {  # the op's keyword arguments (documented signature)
-    "pse_shift", "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "dequant_scale1", "quant_scale1",
-    "dequant_scale2", "quant_scale2", "quant_offset2", "antiquant_scale", "antiquant_offset", "block_table",
-    "query_padding_size", "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
-    "value_antiquant_offset", "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "query_rope",
-    "key_rope", "key_rope_antiquant_scale", "num_heads", "scale", "pre_tokens", "next_tokens", "input_layout",
-    "num_key_value_heads", "sparse_mode", "inner_precise", "block_size", "antiquant_mode", "softmax_lse_flag",
-    "key_antiquant_mode", "value_antiquant_mode",
+    "pse_shift",
+    "atten_mask",
+    "actual_seq_lengths",
+    "actual_seq_lengths_kv",
+    "dequant_scale1",
+    "quant_scale1",
+    "dequant_scale2",
+    "quant_scale2",
+    "quant_offset2",
+    "antiquant_scale",
+    "antiquant_offset",
+    "block_table",
+    "query_padding_size",
+    "kv_padding_size",
+    "key_antiquant_scale",
+    "key_antiquant_offset",
+    "value_antiquant_scale",
+    "value_antiquant_offset",
+    "key_shared_prefix",
+    "value_shared_prefix",
+    "actual_shared_prefix_len",
+    "query_rope",
+    "key_rope",
+    "key_rope_antiquant_scale",
+    "num_heads",
+    "scale",
+    "pre_tokens",
+    "next_tokens",
+    "input_layout",
+    "num_key_value_heads",
+    "sparse_mode",
+    "inner_precise",
+    "block_size",
+    "antiquant_mode",
+    "softmax_lse_flag",
+    "key_antiquant_mode",
+    "value_antiquant_mode",
 }
 
 
@@ -86,7 +116,8 @@ def fake_npu(request, monkeypatch):
     calls = []
     mod = types.ModuleType("torch_npu")
     mod.npu_fused_infer_attention_score = lambda *a, **kw: fake_fused_infer_attention_score(
-        *a, lse_layout=request.param, calls=calls, **kw)
+        *a, lse_layout=request.param, calls=calls, **kw
+    )
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     monkeypatch.setattr(npu, "FIA_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
     return calls
@@ -108,7 +139,7 @@ def random_sources(T=11, H=5, D=32, N=60, M=9, seed=0, dtype=torch.float32):
     lo = torch.randint(0, 4, (T,), generator=g)
     hi = lo + torch.randint(0, 9, (T,), generator=g)
     per_row = torch.randint(0, N, (T, 12), generator=g)
-    per_row[torch.arange(12)[None, :] >= hi[:, None]] = 10 ** 6  # garbage past hi
+    per_row[torch.arange(12)[None, :] >= hi[:, None]] = 10**6  # garbage past hi
     z = torch.zeros(T, dtype=torch.long)
     hi_b, hi_c = torch.randint(0, 6, (T,), generator=g), torch.randint(0, 11, (T,), generator=g)
     for row in (0, 5):
@@ -192,8 +223,9 @@ def test_dtypes_the_op_does_not_take_run_the_reference(monkeypatch):
     mod.npu_fused_infer_attention_score = lambda *a, **kw: fake_fused_infer_attention_score(*a, calls=calls, **kw)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     q, sources, sink = random_sources()
-    assert torch.equal(npu.sparse_attention_sources(q, sources, sink, 0.2),
-                       reference.sparse_attention_sources(q, sources, sink, 0.2))
+    assert torch.equal(
+        npu.sparse_attention_sources(q, sources, sink, 0.2), reference.sparse_attention_sources(q, sources, sink, 0.2)
+    )
     assert not calls
     qb, sb, _ = random_sources(dtype=torch.bfloat16)
     got = npu.sparse_attention_sources(qb, sb, sink, 0.2)
@@ -269,7 +301,10 @@ def test_importing_the_npu_module_never_imports_torch_npu(tmp_path):
         assert "torch_npu" not in sys.modules
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-           "SGLANG_DSV4_FORCE_REFERENCE": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        "SGLANG_DSV4_FORCE_REFERENCE": "0",
+    }
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -18,8 +18,9 @@ def _bound(env, family=None):
         print(ops.KERNEL_FAMILY, ops.sparse_attention_with_sink.__module__, ops.rms_norm.__module__,
               ops.mhc_weights.__module__)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, **env}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
 
@@ -61,12 +62,21 @@ def test_every_family_table_builds_in_process_hot_ops_and_w8a8_alike():
 
 
 def test_importing_ops_binds_nothing():
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys
         from sglang_dsv4_ascend import ops
         print(sorted(m for m in sys.modules if m.startswith(("sglang_dsv4_ascend.ops.", "triton"))))
         print(ops.active.cache_info().currsize)
-    """)], capture_output=True, text=True, timeout=120)
+    """),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     loaded, active = r.stdout.split("\n")[:2]
     assert loaded == "['sglang_dsv4_ascend.ops.quant', 'sglang_dsv4_ascend.ops.reference']" and active == "0"

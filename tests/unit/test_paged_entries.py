@@ -4,8 +4,8 @@ land exactly in the rows its pages own."""
 
 import torch
 
-from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
 from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
 
 PAGE = 128
 

@@ -13,8 +13,13 @@ from sglang_dsv4_ascend import settings
 
 
 def _run(code, env=None):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
 def test_import_is_cheap():
@@ -62,8 +67,9 @@ def _fake_sglang(tmp_path, version):
 
 
 def test_doctor_reports_supported_install():
-    r = subprocess.run([sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"], capture_output=True, text=True, timeout=300
+    )
     rep = json.loads(r.stdout)
     assert r.returncode == 0 and rep["ok"], rep
     assert rep["sglang"]["supported"] and rep["sglang"]["version"].startswith("0.5.23")
@@ -79,8 +85,13 @@ def test_doctor_reports_supported_install():
 @pytest.mark.parametrize("version", ["0.5.22", "0.6.0"])
 def test_doctor_and_plugin_refuse_wrong_sglang(tmp_path, version):
     env = _fake_sglang(tmp_path, version)
-    r = subprocess.run([sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"],
-                       capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_dsv4_ascend.tools.doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
     rep = json.loads(r.stdout)
     assert r.returncode == 1 and not rep["ok"]
     assert rep["sglang"]["version"] == version and rep["sglang"]["supported"] is False
@@ -95,8 +106,13 @@ def test_hook_signature_mismatch_is_refused():
     from sglang_dsv4_ascend.integration.compat import Hook, UnsupportedSGLang
 
     installed = []
-    ok = Hook("probe", "json:dumps", tuple(__import__("inspect").signature(json.dumps).parameters), "AROUND",
-              lambda *a: installed.append(1))
+    ok = Hook(
+        "probe",
+        "json:dumps",
+        tuple(__import__("inspect").signature(json.dumps).parameters),
+        "AROUND",
+        lambda *a: installed.append(1),
+    )
     ok.check()
     bad = Hook("probe", "json:dumps", ("obj",), "AROUND", lambda *a: installed.append(1))
     with pytest.raises(UnsupportedSGLang, match="json:dumps has parameters"):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sglang_dsv4_ascend import settings
+from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.kvcache import prefix_state
 from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
-from sglang_dsv4_ascend.batch import Segment
 
 PAGE = 128
 
@@ -45,11 +45,14 @@ def _prompts(length, share, seed=5):
 
 
 @pytest.mark.parametrize("impl", ["batched", "segments"])
-@pytest.mark.parametrize("preset,share,chunks_a", [
-    ("flash", 256, [300]),        # two boundaries deep inside one prefill chunk
-    ("pro", 128, [100, 40, 160]),  # a boundary completed by the middle chunk
-    ("flash", 384, [380, 1, 1, 1, 1, 1, 1]),  # the last boundary completed by a decode step
-])
+@pytest.mark.parametrize(
+    "preset,share,chunks_a",
+    [
+        ("flash", 256, [300]),  # two boundaries deep inside one prefill chunk
+        ("pro", 128, [100, 40, 160]),  # a boundary completed by the middle chunk
+        ("flash", 384, [380, 1, 1, 1, 1, 1, 1]),  # the last boundary completed by a decode step
+    ],
+)
 def test_resumed_prefix_equals_cold(dsv4_model, monkeypatch, impl, preset, share, chunks_a):
     model = dsv4_model(preset)
     monkeypatch.setattr(model, "attention_impl", impl)
@@ -124,7 +127,13 @@ def test_store_is_lru_and_refuses_a_missing_state(dsv4_model):
     store = cache.enable_prefix_states(capacity=3)
     _forward(model, cache, a, 0, 0, [L])
     slots = table[0].tolist()
-    assert [store.lookup(slots[b - 1], b) is not None for b in (128, 256, 384, 512, 640)] == [False, False, True, True, True]
+    assert [store.lookup(slots[b - 1], b) is not None for b in (128, 256, 384, 512, 640)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
     assert store.usable_prefix(slots, 600) == 512  # deepest boundary <= 600 with a state
     # a new state evicts the least recently used one: 384 (512 was just used)
     store.reserve([10_000], [128])
@@ -181,7 +190,9 @@ def test_bench_prefix_memory_arithmetic():
 
     for name in ("flash", "pro"):
         m = memory(name)
-        assert m["cached_bytes_per_token"] == pytest.approx(m["entry_bytes_per_token"] + m["state_bytes"] / (16 * PAGE), abs=0.2)
+        assert m["cached_bytes_per_token"] == pytest.approx(
+            m["entry_bytes_per_token"] + m["state_bytes"] / (16 * PAGE), abs=0.2
+        )
         # reusing 90 % of a 128K request keeps less than serving it without the cache would need
         assert m["request_128k_90pct_hit_reused_bytes"] < m["request_128k_bytes_without_prefix_cache"]
     assert memory("flash")["entry_bytes_per_token"] == pytest.approx(6880, abs=1)
@@ -213,7 +224,7 @@ def _prefill(trunk, eng, cache, ids, slot, start, nxt):
     seg = [Segment(slot, start, n)]
     aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
     trunk(torch.tensor(ids[start:]), torch.arange(start, len(ids)), seg, cache, aux=aux)
-    eng.extend(seg, torch.tensor(ids[start + 1:] + [nxt]), aux, None, [(0, n - 1)])
+    eng.extend(seg, torch.tensor(ids[start + 1 :] + [nxt]), aux, None, [(0, n - 1)])
 
 
 def _draft_view(eng, slot, L, bonus):

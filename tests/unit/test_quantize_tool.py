@@ -13,8 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sglang_dsv4_ascend.checkpoint import DESCRIPTION_FILE
-from sglang_dsv4_ascend.quantization.w8a8 import (W8A8Error, is_modelslim_checkpoint,
-                                                  load_w8a8_model_from_dir, read_quant_description)
+from sglang_dsv4_ascend.quantization.w8a8 import (
+    W8A8Error,
+    is_modelslim_checkpoint,
+    load_w8a8_model_from_dir,
+    read_quant_description,
+)
 from sglang_dsv4_ascend.tools.quantize_w8a8 import format_summary, main, quantize_checkpoint
 
 SHARD = "model-00001-of-00002.safetensors"
@@ -23,11 +27,18 @@ SHARD = "model-00001-of-00002.safetensors"
 @pytest.fixture(scope="module")
 def calib(tmp_path_factory):
     p = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    p.write_text("\n".join(json.dumps({"turns": [t, "second turn ignored"]}) for t in (
-        "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning.",
-        "def has_close_elements(numbers: List[float], threshold: float) -> bool:",
-        "Compose an engaging travel blog post about a recent trip to Hawaii.",
-        "The quick brown fox jumps over the lazy dog 0123456789")) + "\n")
+    p.write_text(
+        "\n".join(
+            json.dumps({"turns": [t, "second turn ignored"]})
+            for t in (
+                "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning.",
+                "def has_close_elements(numbers: List[float], threshold: float) -> bool:",
+                "Compose an engaging travel blog post about a recent trip to Hawaii.",
+                "The quick brown fox jumps over the lazy dog 0123456789",
+            )
+        )
+        + "\n"
+    )
     return str(p)
 
 
@@ -37,8 +48,9 @@ def outputs(tiny_ckpt, tmp_path_factory, calib):
     res = {}
     for scheme in ("dynamic", "static"):
         out = str(tmp_path_factory.mktemp(f"q_{scheme}"))
-        summary = quantize_checkpoint(src, out, scheme, calib=calib if scheme == "static" else None, num_calib=4,
-                                      progress=False)
+        summary = quantize_checkpoint(
+            src, out, scheme, calib=calib if scheme == "static" else None, num_calib=4, progress=False
+        )
         res[scheme] = (out, summary)
     return src, res
 
@@ -72,14 +84,25 @@ def test_output_format(outputs, scheme):
 
     dense = "W8A8" if scheme == "static" else "W8A8_DYNAMIC"
     expect = {
-        "layers.2.attn.wq_a.weight": dense, "layers.2.attn.wq_b.weight": dense, "layers.2.attn.wkv.weight": dense,
-        "layers.2.attn.indexer.wq_b.weight": dense, "layers.2.ffn.shared_experts.w2.weight": dense,
-        "layers.2.ffn.experts.7.w3.weight": "W8A8_DYNAMIC", "mtp.0.attn.wq_a.weight": "W8A8_DYNAMIC",
-        "layers.2.attn.wo_a.weight": "FLOAT", "layers.2.attn.wo_b.weight": "FLOAT",
-        "layers.2.attn.indexer.weights_proj.weight": "FLOAT", "layers.2.attn.compressor.wkv.weight": "FLOAT",
-        "layers.2.attn.indexer.compressor.wgate.weight": "FLOAT", "layers.2.ffn.gate.weight": "FLOAT",
-        "layers.4.ffn.gate.bias": "FLOAT", "layers.0.ffn.gate.tid2eid": "FLOAT", "embed.weight": "FLOAT",
-        "head.weight": "FLOAT", "hc_head_fn": "FLOAT", "layers.2.attn.attn_sink": "FLOAT",
+        "layers.2.attn.wq_a.weight": dense,
+        "layers.2.attn.wq_b.weight": dense,
+        "layers.2.attn.wkv.weight": dense,
+        "layers.2.attn.indexer.wq_b.weight": dense,
+        "layers.2.ffn.shared_experts.w2.weight": dense,
+        "layers.2.ffn.experts.7.w3.weight": "W8A8_DYNAMIC",
+        "mtp.0.attn.wq_a.weight": "W8A8_DYNAMIC",
+        "layers.2.attn.wo_a.weight": "FLOAT",
+        "layers.2.attn.wo_b.weight": "FLOAT",
+        "layers.2.attn.indexer.weights_proj.weight": "FLOAT",
+        "layers.2.attn.compressor.wkv.weight": "FLOAT",
+        "layers.2.attn.indexer.compressor.wgate.weight": "FLOAT",
+        "layers.2.ffn.gate.weight": "FLOAT",
+        "layers.4.ffn.gate.bias": "FLOAT",
+        "layers.0.ffn.gate.tid2eid": "FLOAT",
+        "embed.weight": "FLOAT",
+        "head.weight": "FLOAT",
+        "hc_head_fn": "FLOAT",
+        "layers.2.attn.attn_sink": "FLOAT",
     }
     for name, typ in expect.items():
         assert desc[name] == typ, name
@@ -96,7 +119,7 @@ def test_output_format(outputs, scheme):
             assert s.dtype == torch.float32 and s.shape == (N, 1) and o.shape == (N, 1) and torch.all(o == 0)
             assert torch.all(wq.abs().amax(1) == 127), "per-channel symmetric: each row reaches 127"
             # round-to-nearest: |Wq s - W| <= s/2, up to the fp32 rounding of W / s and Wq s (~2^-17 s).
-            assert torch.all((wq.float() * s - w).abs() <= s * (0.5 + 2.0 ** -14))
+            assert torch.all((wq.float() * s - w).abs() <= s * (0.5 + 2.0**-14))
             if typ == "W8A8":
                 xs, xo = tensors[p + ".input_scale"], tensors[p + ".input_offset"]
                 qb, dq = tensors[p + ".quant_bias"], tensors[p + ".deq_scale"]
@@ -139,8 +162,9 @@ def test_deterministic(outputs, tiny_ckpt, tmp_path, calib, scheme):
     _, res = outputs
     out, _ = res[scheme]
     again = str(tmp_path / "again")
-    quantize_checkpoint(tiny_ckpt("flash"), again, scheme, calib=calib if scheme == "static" else None,
-                        num_calib=4, progress=False)
+    quantize_checkpoint(
+        tiny_ckpt("flash"), again, scheme, calib=calib if scheme == "static" else None, num_calib=4, progress=False
+    )
     assert sorted(os.listdir(out)) == sorted(os.listdir(again))
     for f in os.listdir(out):
         assert filecmp.cmp(os.path.join(out, f), os.path.join(again, f), shallow=False), f
@@ -182,22 +206,25 @@ def _damaged(src, dst, edit_tensors=None, edit_desc=None):
 
 
 def test_error_missing_scale(outputs, tmp_path):
-    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "c",
-                    edit_tensors=lambda t: t.pop("layers.1.attn.wq_a.weight_scale"))
+    path = _damaged(
+        outputs[1]["dynamic"][0], tmp_path / "c", edit_tensors=lambda t: t.pop("layers.1.attn.wq_a.weight_scale")
+    )
     with pytest.raises(W8A8Error, match=r"missing tensor.*'layers\.1\.attn\.wq_a\.weight_scale'.*W8A8_DYNAMIC"):
         load_w8a8_model_from_dir(str(path))
 
 
 def test_error_missing_expert_scale(outputs, tmp_path):
-    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "c",
-                    edit_tensors=lambda t: t.pop("layers.3.ffn.experts.6.w2.weight_scale"))
+    path = _damaged(
+        outputs[1]["dynamic"][0], tmp_path / "c", edit_tensors=lambda t: t.pop("layers.3.ffn.experts.6.w2.weight_scale")
+    )
     with pytest.raises(W8A8Error, match=r"missing tensor.*'layers\.3\.ffn\.experts\.6\.w2\.weight_scale'"):
         load_w8a8_model_from_dir(str(path))
 
 
 def test_error_missing_static_deq_scale(outputs, tmp_path):
-    path = _damaged(outputs[1]["static"][0], tmp_path / "c",
-                    edit_tensors=lambda t: t.pop("layers.0.attn.wkv.deq_scale"))
+    path = _damaged(
+        outputs[1]["static"][0], tmp_path / "c", edit_tensors=lambda t: t.pop("layers.0.attn.wkv.deq_scale")
+    )
     with pytest.raises(W8A8Error, match=r"'layers\.0\.attn\.wkv\.deq_scale' \(W8A8 layer"):
         load_w8a8_model_from_dir(str(path))
 
@@ -231,16 +258,23 @@ def test_error_int8_weight_declared_float(outputs, tmp_path):
 
 
 def test_error_description_names_absent_layer(outputs, tmp_path):
-    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "c",
-                    edit_desc=lambda d: d.update({"layers.9.attn.wq_a.weight": "W8A8_DYNAMIC"}))
+    path = _damaged(
+        outputs[1]["dynamic"][0],
+        tmp_path / "c",
+        edit_desc=lambda d: d.update({"layers.9.attn.wq_a.weight": "W8A8_DYNAMIC"}),
+    )
     with pytest.raises(W8A8Error, match=r"names 'layers\.9\.attn\.wq_a\.weight'.*no layer 'layers\.9\.attn\.wq_a'"):
         load_w8a8_model_from_dir(str(path))
-    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "d",
-                    edit_desc=lambda d: d.update({"layers.0.attn.wq_c.weight": "FLOAT"}))
+    path = _damaged(
+        outputs[1]["dynamic"][0], tmp_path / "d", edit_desc=lambda d: d.update({"layers.0.attn.wq_c.weight": "FLOAT"})
+    )
     with pytest.raises(W8A8Error, match=r"names tensor 'layers\.0\.attn\.wq_c\.weight' \(FLOAT\)"):
         load_w8a8_model_from_dir(str(path))
-    path = _damaged(outputs[1]["dynamic"][0], tmp_path / "e",
-                    edit_desc=lambda d: d.update({"layers.0.ffn.experts.99.w1.weight": "W8A8_DYNAMIC"}))
+    path = _damaged(
+        outputs[1]["dynamic"][0],
+        tmp_path / "e",
+        edit_desc=lambda d: d.update({"layers.0.ffn.experts.99.w1.weight": "W8A8_DYNAMIC"}),
+    )
     with pytest.raises(W8A8Error, match=r"layers\.0\.ffn\.experts\.99\.w1"):
         load_w8a8_model_from_dir(str(path))
 
@@ -256,15 +290,22 @@ def test_error_unsupported_quantized_layers(outputs, tmp_path):
     with pytest.raises(W8A8Error, match=r"'layers\.0\.ffn\.experts\.3\.w2\.weight_offset' is 'W8A8_DYNAMIC' but"):
         load_w8a8_model_from_dir(str(path))
     # Some routed experts quantized, some not.
-    path = _damaged(src, tmp_path / "d", edit_desc=lambda d: d.update(
-        {f"layers.0.ffn.experts.3.w2.{s}": "FLOAT" for s in ("weight", "weight_scale", "weight_offset")}))
+    path = _damaged(
+        src,
+        tmp_path / "d",
+        edit_desc=lambda d: d.update(
+            {f"layers.0.ffn.experts.3.w2.{s}": "FLOAT" for s in ("weight", "weight_scale", "weight_offset")}
+        ),
+    )
     with pytest.raises(W8A8Error, match=r"some routed experts of 'layers\.0\.ffn'.*experts\.3\.w2"):
         load_w8a8_model_from_dir(str(path))
+
     # Static routed experts.
     def static_experts(d):
         for k in list(d):
             if k.startswith("layers.0.ffn.experts."):
                 d[k] = "W8A8"
+
     path = _damaged(src, tmp_path / "e", edit_desc=static_experts)
     with pytest.raises(W8A8Error, match=r"routed experts support W8A8_DYNAMIC only"):
         load_w8a8_model_from_dir(str(path))

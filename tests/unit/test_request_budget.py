@@ -24,14 +24,16 @@ SHAPES = [(32768, 32768), (8192, 8192), (8192 + 100, 8192), (8192, 32768), (1638
 
 # -- SGLang's own code as the oracle ------------------------------------------------------------
 
+
 def sglang_clip(n, m, pool, ctx, page=P):
     """scheduler.init_req_max_new_tokens: the context term, then the allocator's memory term."""
     alloc = paged.PagedTokenToKVPoolAllocator(pool, page, torch.float32, "cpu", None, False)
     m = (1 << 30) if m is None else m
     max_req_len = min(ctx - 1, pool - 1)  # tp_worker.get_worker_info
     m = max(0, min(m, max_req_len - n - 1))
-    return max(0, alloc.max_new_tokens_for_memory(n, m, token_capacity=pool, sliding_window_size=None,
-                                                  chunk_size=None)), alloc
+    return max(
+        0, alloc.max_new_tokens_for_memory(n, m, token_capacity=pool, sliding_window_size=None, chunk_size=None)
+    ), alloc
 
 
 def sglang_admits(n, m, alloc, page=P):
@@ -39,8 +41,14 @@ def sglang_admits(n, m, alloc, page=P):
     tree = NS(supports_mamba=lambda: False, evictable_size=lambda: 0)
     budget = budget_mod.PrefillBudget(alloc, tree)
     total = n + min(m, G.CLIP_MAX_NEW_TOKENS) + page
-    return budget.check_prefill(extend_input_len=n, total_tokens=total, max_new_tokens=m, input_tokens=n,
-                                swa_host_hit_length=0, chunk_limit=None)[0]
+    return budget.check_prefill(
+        extend_input_len=n,
+        total_tokens=total,
+        max_new_tokens=m,
+        input_tokens=n,
+        swa_host_hit_length=0,
+        chunk_limit=None,
+    )[0]
 
 
 def sglang_last_round_fits(n, m, alloc, reserve, page=P):
@@ -85,6 +93,7 @@ def assert_matches_sglang(reserve=0):
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
+
 
 def test_the_budget_is_what_sglangs_scheduler_computes():
     assert_matches_sglang()
@@ -167,6 +176,7 @@ def test_ignore_eos_without_the_radix_cache_takes_one_token_less():
 
 # -- the check -----------------------------------------------------------------------------------
 
+
 def fits(n, m, lim, **params):
     obj = NS(sampling_params={"max_new_tokens": m, **params})
     G.check_fits(obj, n, obj.sampling_params, lim)
@@ -178,9 +188,15 @@ def test_refusals_name_the_fields_the_flags_and_the_numbers():
     with pytest.raises(G.RequestRejected) as e:
         fits(32700, 60, lim)
     text = str(e.value)
-    for words in ("input_ids: 32700 prompt tokens + max_new_tokens 60", "256 pages of 128 tokens",
-                  "holds 32768 tokens", "--max-total-tokens", "--context-length 32768", "At most 32512 prompt tokens",
-                  "up to 127 new tokens"):
+    for words in (
+        "input_ids: 32700 prompt tokens + max_new_tokens 60",
+        "256 pages of 128 tokens",
+        "holds 32768 tokens",
+        "--max-total-tokens",
+        "--context-length 32768",
+        "At most 32512 prompt tokens",
+        "up to 127 new tokens",
+    ):
         assert words in text, (words, text)
     with pytest.raises(G.RequestRejected, match="max_new_tokens null"):
         fits(32600, None, lim)
@@ -214,8 +230,13 @@ def test_sglangs_speculative_reservation():
     (what `_decode_reserve` reads at run time)."""
 
     def reserve(algo, steps, topk, tokens, monkeypatch):
-        spec = NS(speculative_algorithm=algo, speculative_num_steps=steps, speculative_eagle_topk=topk,
-                  speculative_num_draft_tokens=tokens, max_speculative_num_draft_tokens=None)
+        spec = NS(
+            speculative_algorithm=algo,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=tokens,
+            max_speculative_num_draft_tokens=None,
+        )
         monkeypatch.setattr(sizing, "get_spec", lambda: spec)
         monkeypatch.setattr(sizing, "get_schedule", lambda: NS(page_size=P))
         monkeypatch.setattr(sizing, "get_parallel", lambda: NS(attn_dcp_size=1))
@@ -234,6 +255,7 @@ def test_sglangs_speculative_reservation():
 
 # -- broken variants the tests above catch ------------------------------------------------------
 
+
 def test_a_budget_without_page_rounding_is_caught(monkeypatch):
     monkeypatch.setattr(G, "_ceil", lambda x, page: x)
     with pytest.raises(AssertionError):
@@ -242,27 +264,39 @@ def test_a_budget_without_page_rounding_is_caught(monkeypatch):
 
 def test_a_budget_without_the_speculative_rows_is_caught(monkeypatch):
     real = G.output_budget
-    monkeypatch.setattr(G, "output_budget", lambda n, m, lim, **kw: real(
-        n, m, G.PoolLimits(lim.pool_tokens, lim.page_size, lim.context_len), **kw))
+    monkeypatch.setattr(
+        G,
+        "output_budget",
+        lambda n, m, lim, **kw: real(n, m, G.PoolLimits(lim.pool_tokens, lim.page_size, lim.context_len), **kw),
+    )
     with pytest.raises(AssertionError):
         assert_matches_sglang(2048)
 
 
 # -- where the hook gets the limits ---------------------------------------------------------------
 
+
 def tokenizer_manager(**args):
     server_args = NS(page_size=None, speculative_algorithm=None, disable_radix_cache=False, **args)
     hf = NS(architectures=["DeepseekV4ForCausalLM"])
-    return NS(server_args=server_args, context_len=8192, model_config=NS(hf_config=hf, vocab_size=1024),
-              validate_total_tokens=True, allow_auto_truncate=False)
+    return NS(
+        server_args=server_args,
+        context_len=8192,
+        model_config=NS(hf_config=hf, vocab_size=1024),
+        validate_total_tokens=True,
+        allow_auto_truncate=False,
+    )
 
 
 def test_the_hook_reads_the_pool_the_scheduler_reported(monkeypatch):
     tm = tokenizer_manager()
     # the resolved page size, not the command line's (None: the plugin's override chose 128)
     monkeypatch.setattr(G, "_published_config", lambda: (P, False))
-    monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server",
-                        NS(_global_state=NS(scheduler_info={"max_total_num_tokens": 8192})))
+    monkeypatch.setitem(
+        __import__("sys").modules,
+        "sglang.srt.entrypoints.http_server",
+        NS(_global_state=NS(scheduler_info={"max_total_num_tokens": 8192})),
+    )
     assert G.pool_limits(tm) == G.PoolLimits(8192, P, 8192)
     obj = NS(text=None, input_ids=None, input_embeds=None, return_logprob=False, sampling_params={"max_new_tokens": 60})
     with pytest.raises(G.RequestRejected, match="input_ids: 8100 prompt tokens \\+ max_new_tokens 60"):

@@ -8,17 +8,24 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.integration import request_guard as G
 from sglang_dsv4_ascend.integration.hooks.generate_stream_refusals import stream_refusals_hook
 from sglang_dsv4_ascend.integration.hooks.request_normalize_errors import normalize_hook
-from sglang_dsv4_ascend import settings
 
 V = 1024
 
 
 def req(**kw):
-    base = dict(text=None, input_ids=None, input_embeds=None, return_logprob=False, top_logprobs_num=None,
-                logprob_start_len=None, sampling_params={})
+    base = dict(
+        text=None,
+        input_ids=None,
+        input_embeds=None,
+        return_logprob=False,
+        top_logprobs_num=None,
+        logprob_start_len=None,
+        sampling_params={},
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -76,15 +83,26 @@ def test_dsv4_only_refusals():
     ok(req(text="hi"), [1, 2])
 
 
-@pytest.mark.parametrize("field,value", [
-    ("frequency_penalty", 0.5), ("presence_penalty", -0.2), ("repetition_penalty", 1.3), ("min_new_tokens", 4),
-    ("logit_bias", {"5": 3.0}), ("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -0.2),
+        ("repetition_penalty", 1.3),
+        ("min_new_tokens", 4),
+        ("logit_bias", {"5": 3.0}),
+        ("regex", "a+"),
+        ("json_schema", "{}"),
+        ("ebnf", "root ::= 'a'"),
+    ],
+)
 def test_sampling_the_speculative_verify_does_not_apply_is_refused(field, value):
     """The NextN worker's verify applies temperature / top_k / top_p / min_p only: anything else
     would be silently ignored under speculation, so it is refused naming the field."""
     obj = req(sampling_params={field: value, "temperature": 0.7})
-    with pytest.raises(G.RequestRejected, match=rf"sampling_params\.{field} = .*not supported with --speculative-algorithm EAGLE"):
+    with pytest.raises(
+        G.RequestRejected, match=rf"sampling_params\.{field} = .*not supported with --speculative-algorithm EAGLE"
+    ):
         G.check_request(obj, [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
     G.check_request(obj, [1, 2], vocab_size=V, dsv4=True, speculative=None)  # served without speculation
     G.check_request(obj, [1, 2], vocab_size=V, dsv4=False, speculative="EAGLE")  # not our model
@@ -93,9 +111,20 @@ def test_sampling_the_speculative_verify_does_not_apply_is_refused(field, value)
 def test_speculation_refuses_logprobs_and_keeps_plain_sampling():
     with pytest.raises(G.RequestRejected, match="return_logprob .*--speculative-algorithm EAGLE"):
         G.check_request(req(return_logprob=True), [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
-    plain = req(sampling_params={"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "n": 4,
-                                 "frequency_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
-                                 "logit_bias": None, "max_new_tokens": 8})
+    plain = req(
+        sampling_params={
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": 0.05,
+            "n": 4,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "regex": None,
+            "logit_bias": None,
+            "max_new_tokens": 8,
+        }
+    )
     G.check_request(plain, [1, 2], vocab_size=V, dsv4=True, speculative="EAGLE")
 
 
@@ -224,7 +253,9 @@ def test_min_new_tokens_is_bounded_by_the_context():
 def test_logit_bias_values_in_the_documented_range():
     sampling_ok({"logit_bias": {"5": 100, "6": -100.0, "7": 0.5}})
     for b in (100.5, -101, 1e39, 10**400, float("nan"), float("-inf")):
-        sampling_refused({"logit_bias": {"5": 1.0, "9": b}}, r"logit_bias\['9'\] = .*: expected a number in \[-100, 100\]")
+        sampling_refused(
+            {"logit_bias": {"5": 1.0, "9": b}}, r"logit_bias\['9'\] = .*: expected a number in \[-100, 100\]"
+        )
 
 
 def test_stream_interval_and_stop_token_ids():
@@ -239,9 +270,22 @@ def test_stream_interval_and_stop_token_ids():
 
 
 def test_plain_valid_sampling_passes_unchanged():
-    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "n": 4, "max_new_tokens": 8,
-              "min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
-              "logit_bias": {"3": -100}, "stream_interval": 2, "stop_token_ids": [1], "sampling_seed": 7}
+    params = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "n": 4,
+        "max_new_tokens": 8,
+        "min_new_tokens": 2,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"3": -100},
+        "stream_interval": 2,
+        "stop_token_ids": [1],
+        "sampling_seed": 7,
+    }
     assert sampling_ok(dict(params), ctx=4096) == params
 
 
@@ -250,16 +294,28 @@ def test_every_added_check_covers_a_value_sglangs_verify_accepts():
     through (and refuses what we leave to it)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    for kw in ({"temperature": 1e39}, {"n": 0}, {"min_new_tokens": 2**31, "max_new_tokens": None},
-               {"logit_bias": {"3": 1e39}}, {"stream_interval": 2**70}, {"stop_token_ids": [2**64]},
-               {"top_k": 0, "temperature": 0}):
+    for kw in (
+        {"temperature": 1e39},
+        {"n": 0},
+        {"min_new_tokens": 2**31, "max_new_tokens": None},
+        {"logit_bias": {"3": 1e39}},
+        {"stream_interval": 2**70},
+        {"stop_token_ids": [2**64]},
+        {"top_k": 0, "temperature": 0},
+    ):
         SamplingParams(**kw).verify(V)
         with pytest.raises(G.RequestRejected):
             sampling_ok(kw)
     SamplingParams(top_k=2**31).verify(V)
     assert sampling_ok({"top_k": 2**31}) == {"top_k": -1}
-    for kw in ({"top_p": 0.0}, {"min_p": 1.5}, {"frequency_penalty": 3}, {"repetition_penalty": 0},
-               {"max_new_tokens": -1}, {"temperature": float("nan")}):
+    for kw in (
+        {"top_p": 0.0},
+        {"min_p": 1.5},
+        {"frequency_penalty": 3},
+        {"repetition_penalty": 0},
+        {"max_new_tokens": -1},
+        {"temperature": float("nan")},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**kw).verify(V)
 

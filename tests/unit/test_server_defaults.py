@@ -30,7 +30,8 @@ RESOLVE = textwrap.dedent("""
             v = resolving_view(sa)
             out.append({k: getattr(v, k) for k in (
                 "device", "attention_backend", "decode_attention_backend", "page_size", "kv_cache_dtype",
-                "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend", "disable_cuda_graph",
+                "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend",
+                "disable_cuda_graph",
                 "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
                 "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size", "enable_dp_lm_head")}
                 | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
@@ -44,10 +45,19 @@ def resolve(model, cases, npu=False):
     """Each case's flags resolved against `model` (a path, or None where the case names its own
     --model-path) in one fresh process: SGLang's resolution is per-process state, and one import
     of SGLang serves every case (an import costs ~15 s on the CI machine)."""
-    r = subprocess.run([sys.executable, "-c", RESOLVE, "npu" if npu else "cpu",
-                        json.dumps([(["--model-path", model] if model else []) + ["--dtype", "float32", *c]
-                                    for c in cases])],
-                       capture_output=True, text=True, timeout=600, env={**os.environ})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RESOLVE,
+            "npu" if npu else "cpu",
+            json.dumps([(["--model-path", model] if model else []) + ["--dtype", "float32", *c] for c in cases]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(line[0][7:]), r.stderr
@@ -66,8 +76,16 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "dspark_block6": [*dspark, "--speculative-algorithm", "dspark", "--speculative-dspark-block-size", "6"],
         # DP attention: SGLang's step wants --enable-dp-lm-head for its own head; ours never reads
         # it, so it is declared for the step only
-        "dspark_dp_attention": [*dspark, "--speculative-algorithm", "dspark", "--tp-size", "2", "--dp-size", "2",
-                                "--enable-dp-attention"],
+        "dspark_dp_attention": [
+            *dspark,
+            "--speculative-algorithm",
+            "dspark",
+            "--tp-size",
+            "2",
+            "--dp-size",
+            "2",
+            "--enable-dp-attention",
+        ],
         "nextn_on_dspark": [*dspark, "--speculative-algorithm", "nextn"],
         "llama": [*llama, "--page-size", "64", "--kv-cache-dtype", "bf16"],
     }
@@ -86,21 +104,48 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "attn_dp2": ["--tp-size", "2", "--attn-dp-size", "2"],  # SGLang's newer spelling of the same
         "tp2_dp2_attention": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
         "tp2_dp2_attention_ep2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"],
-        "dp_attention_nextn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-                               "--speculative-algorithm", "nextn"],
+        "dp_attention_nextn": [
+            "--tp-size",
+            "2",
+            "--dp-size",
+            "2",
+            "--enable-dp-attention",
+            "--speculative-algorithm",
+            "nextn",
+        ],
         "ep2": ["--ep-size", "2"],
         "kv_fp8": ["--kv-cache-dtype", "fp8_e4m3"],
         "tokenizer_workers": ["--tokenizer-worker-num", "2"],
         "nextn_chain": ["--speculative-algorithm", "NEXTN"],
-        "nextn_tree": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "3",
-                       "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+        "nextn_tree": [
+            "--speculative-algorithm",
+            "nextn",
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "8",
+        ],
         "dspark_topk": ["--speculative-algorithm", "dspark", "--speculative-eagle-topk", "2"],
         "dspark_threshold": ["--speculative-algorithm", "dspark", "--speculative-accept-threshold-acc", "0.5"],
-        "dspark_sts_missing": ["--speculative-algorithm", "dspark", "--speculative-dspark-confidence-sts-path",
-                               "/nonexistent/sts.json"],
+        "dspark_sts_missing": [
+            "--speculative-algorithm",
+            "dspark",
+            "--speculative-dspark-confidence-sts-path",
+            "/nonexistent/sts.json",
+        ],
         "spec_threshold": ["--speculative-algorithm", "nextn", "--speculative-accept-threshold-single", "0.5"],
-        "spec_steps0": ["--speculative-algorithm", "nextn", "--speculative-num-steps", "0",
-                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "1"],
+        "spec_steps0": [
+            "--speculative-algorithm",
+            "nextn",
+            "--speculative-num-steps",
+            "0",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "1",
+        ],
         "graph_explicit": ["--cuda-graph-backend-decode", "full"],
         "backend_triton": ["--attention-backend", "triton"],
         "no_radix": ["--disable-radix-cache"],
@@ -139,23 +184,36 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
     assert "attention_backend: your value 'triton' is replaced by 'dsv4_ascend'" in log
 
 
-@pytest.mark.parametrize("case,flag", [
-    ("page_64", "--page-size 64: DeepSeek-V4 pages must be a multiple of 128"),
-    ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
-    ("tp3", "--tp-size 3: attention TP splits the 4 heads over the ranks"),
-    ("pp2", "--pp-size 2:"),
-    ("ep2", "--ep-size 2: must divide --tp-size 1"),
-    ("kv_fp8", "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; supported: auto"),
-    ("tokenizer_workers", "--tokenizer-worker-num 2:"),
-    ("dspark_topk", "--speculative-eagle-topk 2: DSpark drafts a chain (topk 1)"),
-    ("dspark_threshold", "--speculative-accept-threshold-acc 0.5: the dsv4_ascend DSpark worker accepts losslessly"),
-    ("dspark_sts_missing", "--speculative-dspark-confidence-sts-path /nonexistent/sts.json: no such file"),
-    ("spec_threshold", "--speculative-accept-threshold-single 0.5: the dsv4_ascend NextN worker accepts losslessly"),
-    ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
-    ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
-    ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
-    ("deterministic", "--enable-deterministic-inference: SGLang's deterministic mode"),
-])
+@pytest.mark.parametrize(
+    "case,flag",
+    [
+        ("page_64", "--page-size 64: DeepSeek-V4 pages must be a multiple of 128"),
+        ("chunk_100", "--chunked-prefill-size 100: must be a multiple of the page size 128"),
+        ("tp3", "--tp-size 3: attention TP splits the 4 heads over the ranks"),
+        ("pp2", "--pp-size 2:"),
+        ("ep2", "--ep-size 2: must divide --tp-size 1"),
+        (
+            "kv_fp8",
+            "--kv-cache-dtype fp8_e4m3: sglang-dsv4-ascend keeps DeepSeek-V4 caches in the model dtype; "
+            "supported: auto",
+        ),
+        ("tokenizer_workers", "--tokenizer-worker-num 2:"),
+        ("dspark_topk", "--speculative-eagle-topk 2: DSpark drafts a chain (topk 1)"),
+        (
+            "dspark_threshold",
+            "--speculative-accept-threshold-acc 0.5: the dsv4_ascend DSpark worker accepts losslessly",
+        ),
+        ("dspark_sts_missing", "--speculative-dspark-confidence-sts-path /nonexistent/sts.json: no such file"),
+        (
+            "spec_threshold",
+            "--speculative-accept-threshold-single 0.5: the dsv4_ascend NextN worker accepts losslessly",
+        ),
+        ("spec_steps0", "--speculative-num-steps 0: must be >= 1"),
+        ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
+        ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
+        ("deterministic", "--enable-deterministic-inference: SGLang's deterministic mode"),
+    ],
+)
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):
     r, _ = cpu_results
     assert flag in r[case].get("error", ""), r[case]
@@ -181,7 +239,11 @@ def test_nextn_resolves_with_our_backend_chain_and_tree(cpu_results):
         assert d["page_size"] == 128 and d["disable_overlap_schedule"] is True, d
     assert chain["speculative_eagle_topk"] == 1
     assert chain["speculative_num_draft_tokens"] == chain["speculative_num_steps"] + 1
-    assert (tree["speculative_eagle_topk"], tree["speculative_num_steps"], tree["speculative_num_draft_tokens"]) == (4, 3, 8)
+    assert (tree["speculative_eagle_topk"], tree["speculative_num_steps"], tree["speculative_num_draft_tokens"]) == (
+        4,
+        3,
+        8,
+    )
 
 
 def test_dspark_resolves_on_cpu_with_our_backend(cpu_results):
@@ -196,7 +258,10 @@ def test_dspark_resolves_on_cpu_with_our_backend(cpu_results):
         assert d["speculative_algorithm"] == "DSPARK" and d["device"] == "cpu", d
         assert d["attention_backend"] == "dsv4_ascend" and d["disable_overlap_schedule"] is True, d
         assert (d["speculative_num_steps"], d["speculative_eagle_topk"], d["speculative_num_draft_tokens"]) == (
-            1, 1, gamma + 1), d
+            1,
+            1,
+            gamma + 1,
+        ), d
 
 
 def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(cpu_results):

@@ -11,8 +11,20 @@ from sglang_dsv4_ascend import settings
 PACKAGE = pathlib.Path(settings.__file__).parent
 
 
-@pytest.mark.parametrize("raw,want", [("1", True), ("true", True), (" Yes ", True), ("ON", True), ("0", False),
-                                      ("false", False), ("no", False), ("Off", False), ("", None)])
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        ("1", True),
+        ("true", True),
+        (" Yes ", True),
+        ("ON", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("Off", False),
+        ("", None),
+    ],
+)
 def test_one_truthiness_rule_for_every_flag(monkeypatch, raw, want):
     for s in (x for x in settings.SETTINGS if x.kind == "flag"):
         monkeypatch.setenv(s.name, raw)
@@ -74,8 +86,7 @@ def _strings(tree):
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docs.add(id(first.value))
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docs]
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
 
 
 def test_every_reader_goes_through_the_table():

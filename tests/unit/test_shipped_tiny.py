@@ -11,8 +11,8 @@ import torch
 from prompts import load_prompts
 
 import sglang_dsv4_ascend as pkg
-from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir, load_sts
 from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir, load_sts
 from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
 from sglang_dsv4_ascend.tools import make_tiny_checkpoint as mk
@@ -42,8 +42,9 @@ def ids():
 def test_hf_loads_it_cleanly_and_agrees(draft, ids):
     from transformers import DeepseekV4ForCausalLM
 
-    hf, info = DeepseekV4ForCausalLM.from_pretrained(VARIANTS[draft], torch_dtype=torch.float32,
-                                                     output_loading_info=True)
+    hf, info = DeepseekV4ForCausalLM.from_pretrained(
+        VARIANTS[draft], torch_dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     ours = load_model_from_dir(VARIANTS[draft])
     with torch.no_grad():

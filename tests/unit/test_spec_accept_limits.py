@@ -53,15 +53,21 @@ def batch(seed=0):
 
 def test_a_batch_with_out_of_range_temperatures_is_served_per_request():
     trees, logits = batch()
-    sampling = [{"temperature": 0.8, "top_k": 3, "top_p": 0.9, "min_p": 0.05}, {"temperature": math.inf},
-                {"temperature": math.nan}, {"temperature": 1.2}]
+    sampling = [
+        {"temperature": 0.8, "top_k": 3, "top_p": 0.9, "min_p": 0.05},
+        {"temperature": math.inf},
+        {"temperature": math.nan},
+        {"temperature": 1.2},
+    ]
     got = accept_batch(trees, logits, sampling, torch.Generator().manual_seed(7))
 
     ref = torch.Generator().manual_seed(7)  # the sampled requests draw from it in batch order
-    want = [sample_accept(trees[0], target_probs(logits[0], 0.8, 3, 0.9, 0.05), ref),
-            sample_accept(trees[1], target_probs(logits[1], FLOAT32_MAX, -1, 1.0, 0.0), ref),
-            greedy_accept(trees[2], logits[2].argmax(-1)),
-            sample_accept(trees[3], target_probs(logits[3], 1.2, -1, 1.0, 0.0), ref)]
+    want = [
+        sample_accept(trees[0], target_probs(logits[0], 0.8, 3, 0.9, 0.05), ref),
+        sample_accept(trees[1], target_probs(logits[1], FLOAT32_MAX, -1, 1.0, 0.0), ref),
+        greedy_accept(trees[2], logits[2].argmax(-1)),
+        sample_accept(trees[3], target_probs(logits[3], 1.2, -1, 1.0, 0.0), ref),
+    ]
     assert got == want
     # the valid requests' results do not depend on their neighbours' temperatures
     clean = accept_batch([trees[0]], [logits[0]], [sampling[0]], torch.Generator().manual_seed(7))

@@ -22,9 +22,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from oracles import spec_oracle as O
 from scipy.stats import chi2, chisquare, ncx2
 
-from oracles import spec_oracle as O
 from sglang_dsv4_ascend.speculative import tree as tree_mod
 from sglang_dsv4_ascend.speculative.accept import (
     accept_batch,
@@ -166,8 +166,7 @@ def test_broken_ancestor_mask_is_caught():
     rng = random.Random(0)
     cases = [random_tree(rng) for _ in range(50)]
     assert all(t.ancestor_mask().tolist() == O.ancestor_matrix(list(t.parents)) for t in cases)
-    assert any(broken_ancestor_mask_sibling_visible(t).tolist() != O.ancestor_matrix(list(t.parents))
-               for t in cases)
+    assert any(broken_ancestor_mask_sibling_visible(t).tolist() != O.ancestor_matrix(list(t.parents)) for t in cases)
 
 
 # ---------------------------------------------------------------------------------------------

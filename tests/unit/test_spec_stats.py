@@ -27,7 +27,9 @@ def recv(completion, hists):
         spec_verify_ct=[sum(h) for h in hists],
         spec_num_correct_drafts=[sum(k * v for k, v in enumerate(h)) for h in hists],
         spec_correct_drafts_histogram=hists,
-        spec_num_cap_tokens=None, spec_cap_lens_histogram=None, spec_num_block_accept_tokens=None,
+        spec_num_cap_tokens=None,
+        spec_cap_lens_histogram=None,
+        spec_num_block_accept_tokens=None,
     )
 
 

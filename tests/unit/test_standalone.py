@@ -5,8 +5,7 @@ package. (tests/conftest.py also fails the session if any test opens a file ther
 import os
 import subprocess
 
-from sglang_dsv4_ascend import data
-from sglang_dsv4_ascend import settings
+from sglang_dsv4_ascend import data, settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_dsv4_ascend.kvcache.plan import Bucket, build_plan
 from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.kvcache.plan import Bucket, build_plan
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -29,6 +29,7 @@ class _Trace(TorchDispatchMode):
             if isinstance(x, (list, tuple)):
                 return tuple(sig(y) for y in x)
             return None
+
         self.ops.append((str(func), sig(args)))
         return func(*args, **(kwargs or {}))
 
@@ -53,8 +54,10 @@ def _forward(model, cache, segs, bucket=None, trace=False):
     mode = _Trace()
     handles = []
     if trace:
-        handles = [model.layers[0].register_forward_pre_hook(lambda *_: mode.__enter__() and None),
-                   model.layers[-1].register_forward_hook(lambda *_: mode.__exit__(None, None, None))]
+        handles = [
+            model.layers[0].register_forward_pre_hook(lambda *_: mode.__enter__() and None),
+            model.layers[-1].register_forward_hook(lambda *_: mode.__exit__(None, None, None)),
+        ]
     try:
         logits = model.compute_logits(model(ids, pos, segs, cache, plan=plan))[:n]
     finally:

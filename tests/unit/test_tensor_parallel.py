@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_batched_forward import _random_schedule, _run
 
 from sglang_dsv4_ascend.distributed.layout import Layout, layout_problems
 from sglang_dsv4_ascend.distributed.sharding import SKIP, shard
 from sglang_dsv4_ascend.distributed.spec_sync import RankSync, first_difference
-from test_batched_forward import _random_schedule, _run
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -37,6 +37,7 @@ def _load(ckpt, layout=None):
 def _collectives() -> dict:
     """The Layout's collectives over the whole gloo world (the TP group; without DP attention also
     the attention-TP group), as SGLang's group coordinators give them in a server."""
+
     def reduce(x):
         dist.all_reduce(x)
         return x
@@ -77,8 +78,9 @@ def _on_ranks(tmp_path, ckpt, tp, ep, impl, seed, broken=False):
 
 
 # (4, 1): more ranks than the 2 output groups, so two ranks share each group; MoE-TP 4
-@pytest.mark.parametrize("tp,ep,impl,seed", [(2, 1, "batched", 1), (2, 2, "batched", 2), (2, 2, "segments", 3),
-                                             (4, 1, "batched", 4)])
+@pytest.mark.parametrize(
+    "tp,ep,impl,seed", [(2, 1, "batched", 1), (2, 2, "batched", 2), (2, 2, "segments", 3), (4, 1, "batched", 4)]
+)
 def test_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, tp, ep, impl, seed):
     model = dsv4_model("flash")
     batches, ctx = _random_schedule(seed, model.cfg.vocab_size)
@@ -140,8 +142,9 @@ def test_w8a8_layers_on_two_ranks_equal_one(tmp_path, tiny_ckpt, scheme, broken)
     with torch.no_grad():
         for i, blk in enumerate(model.layers):
             assert isinstance(blk.attn.wq_b, W8A8Linear) and isinstance(blk.ffn, W8A8MoE)
-            torch.testing.assert_close(torch.cat([r[f"{i}.wq_b"] for r in ranks], -1), blk.attn.wq_b(q_lat),
-                                       atol=0, rtol=0)
+            torch.testing.assert_close(
+                torch.cat([r[f"{i}.wq_b"] for r in ranks], -1), blk.attn.wq_b(q_lat), atol=0, rtol=0
+            )
             want = blk.ffn(y, ids)
             assert torch.equal(ranks[0][f"{i}.ffn"], ranks[1][f"{i}.ffn"])
             if broken:
@@ -179,8 +182,10 @@ def test_shards_cover_each_tensor_once(dsv4_model):
     E = model.cfg.n_routed_experts
     G = model.cfg.o_groups
     for tp, ep in [(2, 1), (2, 2), (4, 1), (4, 4)]:
-        parts = [{n: shard(n, t, Layout.for_flags(tp, ep, tp_rank=r), E, model.cfg.o_groups) for n, t in sd.items()}
-                 for r in range(tp)]
+        parts = [
+            {n: shard(n, t, Layout.for_flags(tp, ep, tp_rank=r), E, model.cfg.o_groups) for n, t in sd.items()}
+            for r in range(tp)
+        ]
         owners = {n: [r for r in range(tp) if parts[r][n] is not SKIP] for n in sd}
         for n, t in sd.items():
             got = [parts[r][n] for r in owners[n]]
@@ -193,7 +198,7 @@ def test_shards_cover_each_tensor_once(dsv4_model):
                 got = got[:: tp // G]
             if n.endswith("wo_a.weight") and tp > G:  # a group's rows, its heads' columns split
                 s = tp // G
-                got = [torch.cat(got[g * s:(g + 1) * s], 1) for g in range(G)]
+                got = [torch.cat(got[g * s : (g + 1) * s], 1) for g in range(G)]
             dim = 1 if n.endswith(("wo_b.weight", "w2.weight")) else 0
             torch.testing.assert_close(torch.cat(got, dim), t, msg=n)
 
@@ -211,11 +216,14 @@ def test_gathered_head_rounds_as_sglangs_plain_head():
     h = torch.randn(5, d, generator=g)
 
     def plain(hidden):  # LogitsProcessor._compute_lm_head for an unquantized head of weight w
-        return torch.matmul(hidden.float(), w.float().T) if hidden.dtype == torch.float32 else torch.matmul(
-            hidden.to(w.dtype), w.T)
+        return (
+            torch.matmul(hidden.float(), w.float().T)
+            if hidden.dtype == torch.float32
+            else torch.matmul(hidden.to(w.dtype), w.T)
+        )
 
     for hidden in (h.bfloat16(), h):
-        rank1 = plain(hidden)[:, V // 2:]  # what rank 1 contributes to the gather
+        rank1 = plain(hidden)[:, V // 2 :]  # what rank 1 contributes to the gather
         layout = dataclasses.replace(Layout.for_flags(2, tp_rank=0), attn_gather=lambda x: torch.cat([x, rank1], -1))
         part = torch.nn.Linear(d, V // 2, bias=False).bfloat16()
         with torch.no_grad():
@@ -272,7 +280,10 @@ def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
     import json
 
     r = json.loads(capsys.readouterr().out)
-    assert [x["experts"] for x in r["ranks"]] == [[0, 4], [4, 8]] and [x["heads"] for x in r["ranks"]] == [[0, 2], [2, 4]]
+    assert [x["experts"] for x in r["ranks"]] == [[0, 4], [4, 8]] and [x["heads"] for x in r["ranks"]] == [
+        [0, 2],
+        [2, 4],
+    ]
     assert doctor.main(["--ranks", "3"]) == 1
     assert "PROBLEM: --tp-size 3" in capsys.readouterr().out
     # DP attention: attention TP 2 per DP group (heads split 2 ways, repeated per group), experts 4 ways
@@ -295,7 +306,8 @@ def test_bench_cache_per_rank_share():
 
     whole = DSV4Model(DSV4Config.from_hf(CONFIGS["flash"]), dtype=torch.bfloat16, device="meta")
     total = sum(p.numel() * p.element_size() for p in whole.parameters()) + sum(
-        b.numel() * b.element_size() for b in whole.buffers())
+        b.numel() * b.element_size() for b in whole.buffers()
+    )
     one = per_rank("flash", 1, 1, torch.bfloat16)
     assert one["weights_gb"]["float"] == round(total / 1e9, 2)
     assert one["sent_bytes_per_decode_token"]["attention_all_reduce"] == 0
@@ -327,8 +339,8 @@ def test_each_rank_reads_only_its_part(tiny_ckpt, dsv4_model):
     """iter_checkpoint(part=rank_part(...)) reads split tensors by slice and never another rank's experts; the model it
     loads equals the one loaded from whole tensors."""
     from sglang_dsv4_ascend.distributed.sharding import rank_part
-    from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_released_weights
     from sglang_dsv4_ascend.models.trunk import DSV4Model
+    from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_released_weights
 
     path, cfg = tiny_ckpt("flash"), dsv4_model("flash").cfg
     whole = sum(t.numel() for _, t, _ in iter_checkpoint(path))
@@ -371,12 +383,23 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken, explicit):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
-    layout = dataclasses.replace(Layout.for_flags(world, ep, dp_size=world, tp_rank=rank), **_collectives(),
-                                 gather_counts=_counts_over(SimpleNamespace(world_size=world, cpu_group=None), 1))
+    layout = dataclasses.replace(
+        Layout.for_flags(world, ep, dp_size=world, tp_rank=rank),
+        **_collectives(),
+        gather_counts=_counts_over(SimpleNamespace(world_size=world, cpu_group=None), 1),
+    )
     assert (layout.attn_tp_size, layout.dp_rank) == (1, rank)
     if broken:  # the token ids are never exchanged: other DP ranks' rows are hash-routed by ours
-        DPExchange.bind = lambda self, ids: setattr(self, "ids", torch.cat(
-            [ids.new_zeros(self.offset), ids[: self.real], ids.new_zeros(self.total - self.offset - self.real)])) or self
+        DPExchange.bind = lambda self, ids: (
+            setattr(
+                self,
+                "ids",
+                torch.cat(
+                    [ids.new_zeros(self.offset), ids[: self.real], ids.new_zeros(self.total - self.offset - self.real)]
+                ),
+            )
+            or self
+        )
     model = _load(ckpt, layout)
     (scheds, counts) = _dp_schedules(model.cfg.vocab_size)
     batches, ctx = scheds[rank]
@@ -386,8 +409,11 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken, explicit):
         for i, cnt in enumerate(counts):
             segs, ids, accepted = batches[i] if i < len(batches) else ([], torch.zeros(0, dtype=torch.long), None)
             pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]) if segs else ids.clone()
-            ex = (DPExchange(cnt, layout.dp_rank, ids.shape[0], layout.attn_tp_rank == 0, layout.all_reduce)
-                  if explicit else None)
+            ex = (
+                DPExchange(cnt, layout.dp_rank, ids.shape[0], layout.attn_tp_rank == 0, layout.all_reduce)
+                if explicit
+                else None
+            )
             pending = [] if accepted is not None else None
             outs.append(model.compute_logits(model(ids, pos, segs, cache, pending=pending, exchange=ex)))
             if pending is not None:
@@ -397,8 +423,7 @@ def _dp_rank_main(rank, world, init_file, ckpt, ep, out_dir, broken, explicit):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep,broken,explicit", [(1, False, True), (2, False, True), (2, True, True),
-                                                (2, False, False)])
+@pytest.mark.parametrize("ep,broken,explicit", [(1, False, True), (2, False, True), (2, True, True), (2, False, False)])
 def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broken, explicit):
     """--tp-size 2 --dp-size 2 --enable-dp-attention (attention TP 1): each DP rank serves its own
     schedule from its own cache, with padding rows and an idle rank in the counts, while every MoE
@@ -409,17 +434,22 @@ def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broke
     assert model.cfg.num_hash_layers > 0  # the broken variant needs hash-routed layers to bite
     scheds, counts = _dp_schedules(model.cfg.vocab_size)
     assert len(scheds[1][0]) < len(counts)  # rank 1 idles at the end
-    assert any(c[r] > sum(x.length for x in scheds[r][0][i][0]) for r in range(2) for i, c in
-               enumerate(counts) if i < len(scheds[r][0]))  # and padding rows occur
+    assert any(
+        c[r] > sum(x.length for x in scheds[r][0][i][0])
+        for r in range(2)
+        for i, c in enumerate(counts)
+        if i < len(scheds[r][0])
+    )  # and padding rows occur
     init = tmp_path / f"init-dp-{ep}-{broken}-{explicit}"
-    mp.spawn(_dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken, explicit), nprocs=2,
-             join=True)
+    mp.spawn(
+        _dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken, explicit), nprocs=2, join=True
+    )
     mismatches = 0
     for r in range(2):
         got = torch.load(tmp_path / f"dp_rank{r}.pt")
         batches, ctx = scheds[r]
         want = _run(model, model.make_cache(5, ctx, spec_slack=6), batches, "batched")
-        assert all(g.shape[0] == 0 for g in got[len(want):])  # the idle forwards return no rows
+        assert all(g.shape[0] == 0 for g in got[len(want) :])  # the idle forwards return no rows
         for i, w in enumerate(want):
             if broken:
                 mismatches += not torch.allclose(got[i], w, **TOL)
@@ -433,7 +463,7 @@ def test_dp_exchange_offsets_and_checks():
     from sglang_dsv4_ascend.distributed.dp_exchange import DPExchange
 
     # two DP ranks simulated in one process: reduce = sum of both ranks' buffers
-    rows = [torch.arange(6.).reshape(3, 2), torch.arange(10., 14.).reshape(2, 2)]
+    rows = [torch.arange(6.0).reshape(3, 2), torch.arange(10.0, 14.0).reshape(2, 2)]
     counts = [4, 2]  # rank 0 has one padding row
     bufs = []
     exs = [DPExchange(counts, r, rows[r].shape[0], True, lambda b: bufs.append(b) or b) for r in range(2)]
@@ -458,13 +488,23 @@ def test_each_w8a8_rank_reads_only_its_part(tmp_path, tiny_ckpt, scheme):
     from sglang_dsv4_ascend.data import prompt_path
     from sglang_dsv4_ascend.models.trunk import DSV4Model
     from sglang_dsv4_ascend.models.weights import iter_checkpoint
-    from sglang_dsv4_ascend.quantization.w8a8 import (apply_quant_description, load_w8a8_weights,
-                                                       read_quant_description, w8a8_rank_part)
+    from sglang_dsv4_ascend.quantization.w8a8 import (
+        apply_quant_description,
+        load_w8a8_weights,
+        read_quant_description,
+        w8a8_rank_part,
+    )
     from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
 
     q = str(tmp_path / scheme)
-    quantize_checkpoint(tiny_ckpt("flash"), q, scheme, calib=prompt_path("gsm8k") if scheme == "static" else None,
-                        num_calib=4, progress=False)
+    quantize_checkpoint(
+        tiny_ckpt("flash"),
+        q,
+        scheme,
+        calib=prompt_path("gsm8k") if scheme == "static" else None,
+        num_calib=4,
+        progress=False,
+    )
     desc = read_quant_description(q)
     tensors = [(n, t.numel()) for n, t, _ in iter_checkpoint(q)]
     whole = sum(k for _, k in tensors)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sglang_dsv4_ascend.tools.make_tiny_checkpoint import main as make_main, write_checkpoint
+from sglang_dsv4_ascend.tools.make_tiny_checkpoint import main as make_main
+from sglang_dsv4_ascend.tools.make_tiny_checkpoint import write_checkpoint
 
 
 def _digest(d):
@@ -71,8 +72,12 @@ def test_layer_pattern_covers_every_mechanism(tmp_path):
     assert f"layers.{n - 1}.ffn.gate.bias" in names and f"layers.{n - 1}.ffn.gate.tid2eid" not in names
     for s in range(3):
         assert f"mtp.{s}.attn.wkv.weight" in names
-    for k in ("mtp.0.main_proj.weight", "mtp.2.markov_head.markov_w1.weight",
-              "mtp.2.markov_head.markov_w2.weight", "mtp.2.confidence_head.proj.weight"):
+    for k in (
+        "mtp.0.main_proj.weight",
+        "mtp.2.markov_head.markov_w1.weight",
+        "mtp.2.markov_head.markov_w2.weight",
+        "mtp.2.confidence_head.proj.weight",
+    ):
         assert k in names
 
 

@@ -3,8 +3,6 @@ each training forward equals the serving forward it trains (on the same weights)
 every trained weight, the HF <-> released name mapping round-trips exactly, the calibration finds a
 known temperature, and the corpus order is fixed."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -36,8 +34,14 @@ def test_nextn_training_forward_equals_serving_step(tiny_ckpt):
     # serving: one prefill segment per request through the NextN's own cache
     cache = nextn.make_cache(B, S, 0)
     segs = [Segment(b, 0, S - 1) for b in range(B)]
-    h, _ = nextn.step(x[:, 1:S].flatten(), tgt["streams"][:, : S - 1].flatten(0, 1), torch.arange(S - 1).repeat(B),
-                      segs, cache, model.embed)
+    h, _ = nextn.step(
+        x[:, 1:S].flatten(),
+        tgt["streams"][:, : S - 1].flatten(0, 1),
+        torch.arange(S - 1).repeat(B),
+        segs,
+        cache,
+        model.embed,
+    )
     want = model.compute_logits(h).view(B, S - 1, -1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # S > window (16): the window matters; a full causal key set would differ
@@ -59,8 +63,15 @@ def test_dspark_training_block_equals_serving_block(dspark_ckpt):
         for b in range(B):
             n = int(L[b, i])
             draft.inject(cache, feats[b, :n], torch.full((n,), b), torch.arange(n))
-        Us, hs = draft.block(cache, list(range(B)), L[:, i].tolist(), x[torch.arange(B), L[:, i]], gamma,
-                             model.embed, model.compute_logits)
+        Us, hs = draft.block(
+            cache,
+            list(range(B)),
+            L[:, i].tolist(),
+            x[torch.arange(B), L[:, i]],
+            gamma,
+            model.embed,
+            model.compute_logits,
+        )
         torch.testing.assert_close(U.view(B, 2, gamma, -1)[:, i], Us, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(h.view(B, 2, gamma, -1)[:, i], hs, rtol=1e-4, atol=1e-4)
 
@@ -117,4 +128,4 @@ def test_generate_greedy_matches_one_forward_argmax(tiny_ckpt):
     for p, o in zip(prompts, out):
         assert o[: len(p)] == p and len(o) == len(p) + 6
         full = td.target_outputs(model, torch.tensor([o[:-1]]))["logits"][0]
-        assert full[len(p) - 1:].argmax(-1).tolist() == o[len(p):]
+        assert full[len(p) - 1 :].argmax(-1).tolist() == o[len(p) :]

@@ -12,9 +12,8 @@ import contextlib
 import pytest
 import torch
 
+from sglang_dsv4_ascend.batch import Segment, SegmentWrites
 from sglang_dsv4_ascend.kvcache import plan as plan_mod
-from sglang_dsv4_ascend.batch import SegmentWrites
-from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative.tree import DraftTree
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -110,8 +109,13 @@ def test_broken_node_order_chain_is_caught(dsv4_model):
     tree = DraftTree(*TREES[0])
     cache = _prefilled(model, prompt)
     got = _forward(model, cache, [Segment(0, L, tree.n)], torch.tensor(tree.tokens), pending=[])
-    errs = [(got[i] - _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1])
-            .abs().max().item() for i in range(tree.n)]
+    errs = [
+        (got[i] - _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1])
+        .abs()
+        .max()
+        .item()
+        for i in range(tree.n)
+    ]
     assert max(errs) > 1e-2, errs
 
 
@@ -132,11 +136,11 @@ def _two_rounds(model, prompt, paths, leaves=(None, None), cont=8, trees=(TREES[
         seq += [tree.tokens[n] for n in path]
         start += len(path)
     tail = _ids(cont, 5)
-    got = torch.cat([_forward(model, cache, [Segment(0, start + j, 1)], tail[j: j + 1]) for j in range(cont)])
+    got = torch.cat([_forward(model, cache, [Segment(0, start + j, 1)], tail[j : j + 1]) for j in range(cont)])
     full = torch.cat([torch.tensor(seq), tail])
     with impl(model, "segments"):
         ref = _forward(model, model.make_cache(1, full.shape[0] + 8), [Segment(0, 0, full.shape[0])], full)
-    return got, ref[len(seq):]
+    return got, ref[len(seq) :]
 
 
 # Accepted paths: the second branch to depth 2 (its sibling subtree rejected, partial accept),
@@ -182,8 +186,12 @@ def test_broken_commit_keeping_rejected_compressor_rows_is_caught(dsv4_model, mo
 
     def lists_keeping_rows(plan, lengths):
         kept = orig_lists(plan, lengths)
-        everything = orig_lists(plan, tuple(s.length if (lengths and lengths[i]) else 0
-                                            for i, s in enumerate(plan.segments)) if lengths else None)
+        everything = orig_lists(
+            plan,
+            tuple(s.length if (lengths and lengths[i]) else 0 for i, s in enumerate(plan.segments))
+            if lengths
+            else None,
+        )
         kept.rows = everything.rows
         return kept
 
@@ -194,13 +202,16 @@ def test_broken_commit_keeping_rejected_compressor_rows_is_caught(dsv4_model, mo
     assert (got - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("steps,topk,n,flag", [
-    (0, 1, 1, "--speculative-num-steps 0: must be >= 1"),
-    (3, 0, 4, "--speculative-eagle-topk 0: must be >= 1"),
-    (3, 1, 6, "--speculative-num-draft-tokens 6: a chain \\(topk 1\\) verifies steps \\+ 1 = 4"),
-    (3, 4, 4, "--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 3"),
-    (2, 2, 9, "--speculative-num-draft-tokens 9: .* must be in \\[2, 7\\]"),
-])
+@pytest.mark.parametrize(
+    "steps,topk,n,flag",
+    [
+        (0, 1, 1, "--speculative-num-steps 0: must be >= 1"),
+        (3, 0, 4, "--speculative-eagle-topk 0: must be >= 1"),
+        (3, 1, 6, "--speculative-num-draft-tokens 6: a chain \\(topk 1\\) verifies steps \\+ 1 = 4"),
+        (3, 4, 4, "--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 3"),
+        (2, 2, 9, "--speculative-num-draft-tokens 9: .* must be in \\[2, 7\\]"),
+    ],
+)
 def test_tree_shapes_the_worker_cannot_serve_name_the_flag(steps, topk, n, flag):
     from sglang_dsv4_ascend.speculative.engine import check_tree_shape
 

@@ -65,7 +65,8 @@ SOURCES_SCRIPT = textwrap.dedent("""
         Source(A, torch.randint(0, 4 * 10, (3, 10)), G, torch.zeros(T, dtype=torch.long),
                torch.tensor([10, 4, 7, 7, 0, 10]), None, 4, 40),                         # strided slot map
     ]
-    a, b = reference.sparse_attention_sources(q, srcs, sink, D ** -0.5), tri.sparse_attention_sources(q, srcs, sink, D ** -0.5)
+    a = reference.sparse_attention_sources(q, srcs, sink, D ** -0.5)
+    b = tri.sparse_attention_sources(q, srcs, sink, D ** -0.5)
     worst = (a - b).abs().max().item()
     # Broken variant: the second pool's rows read from the first pool must differ.
     wrong = [s._replace(pool=A) if s.pool is B else s for s in srcs]
@@ -92,8 +93,9 @@ def test_triton_two_pool_kernel_matches_the_sources_reference(tiny_ckpt):
     ops.reference.sparse_attention_sources on random sources (per-row and per-request tables,
     masks, a strided slot map) and inside the tiny model's batched forward (logits)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", SOURCES_SCRIPT, tiny_ckpt("flash")], capture_output=True, text=True,
-                       env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", SOURCES_SCRIPT, tiny_ckpt("flash")], capture_output=True, text=True, env=env, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     worst, broken, model_diff = map(float, r.stdout.split()[-3:])
     assert worst < 1e-5 and model_diff < 1e-4

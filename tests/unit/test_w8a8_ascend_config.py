@@ -3,8 +3,12 @@
 from sglang_dsv4_ascend.names import QUANT_METHOD as NAME
 from sglang_dsv4_ascend.quantization.w8a8_ascend import W8A8AscendConfig
 
-DSV4_DESC = {"quant_method": "modelslim", "model_quant_type": "W8A8_DYNAMIC",
-             "layers.0.attn.wq_a.weight": "W8A8_DYNAMIC", "layers.0.attn.wo_a.weight": "FLOAT"}
+DSV4_DESC = {
+    "quant_method": "modelslim",
+    "model_quant_type": "W8A8_DYNAMIC",
+    "layers.0.attn.wq_a.weight": "W8A8_DYNAMIC",
+    "layers.0.attn.wo_a.weight": "FLOAT",
+}
 OTHER_DESC = {"quant_method": "modelslim", "model.layers.0.self_attn.q_proj.weight": "W8A8_DYNAMIC"}
 
 

@@ -22,8 +22,15 @@ import torch.nn.functional as F
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.models.weights import load_model_from_dir
-from sglang_dsv4_ascend.quantization.w8a8 import (W8A8, W8A8Experts, W8A8Linear, W8A8MoE, W8A8_DYNAMIC,
-                                                  load_w8a8_model_from_dir, quantized_linear_count)
+from sglang_dsv4_ascend.quantization.w8a8 import (
+    W8A8,
+    W8A8_DYNAMIC,
+    W8A8Experts,
+    W8A8Linear,
+    W8A8MoE,
+    load_w8a8_model_from_dir,
+    quantized_linear_count,
+)
 from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
 
 T = 300
@@ -71,8 +78,10 @@ def reference(tiny_ckpt):
     def get(preset):
         if preset not in out:
             ids = _ids(preset)
-            out[preset] = (_logits(load_model_from_dir(tiny_ckpt(preset)), ids),
-                           _logits(load_model_from_dir(tiny_ckpt(preset), dtype=torch.bfloat16), ids))
+            out[preset] = (
+                _logits(load_model_from_dir(tiny_ckpt(preset)), ids),
+                _logits(load_model_from_dir(tiny_ckpt(preset), dtype=torch.bfloat16), ids),
+            )
         return out[preset]
 
     return get
@@ -83,11 +92,16 @@ def _compare(ref, got):
     return float(1 - cos.mean()), float(cos.min()), float((got.argmax(-1) == ref.argmax(-1)).float().mean())
 
 
-@pytest.mark.parametrize("preset,scheme,dtype", [
-    ("flash", "dynamic", torch.float32), ("flash", "dynamic", torch.bfloat16),
-    ("flash", "static", torch.float32), ("flash", "static", torch.bfloat16),
-    ("pro", "dynamic", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "preset,scheme,dtype",
+    [
+        ("flash", "dynamic", torch.float32),
+        ("flash", "dynamic", torch.bfloat16),
+        ("flash", "static", torch.float32),
+        ("flash", "static", torch.bfloat16),
+        ("pro", "dynamic", torch.bfloat16),
+    ],
+)
 def test_w8a8_logits_close_to_float(preset, scheme, dtype, quantized, reference):
     ref32, ref16 = reference(preset)
     base_deficit, base_min, base_top1 = _compare(ref32, ref16)
@@ -96,8 +110,10 @@ def test_w8a8_logits_close_to_float(preset, scheme, dtype, quantized, reference)
     assert counts["W8A8Experts"] == model.cfg.num_hidden_layers
     assert counts["W8A8Linear"] >= 6 * model.cfg.num_hidden_layers
     deficit, cmin, top1 = _compare(ref32, _logits(model, _ids(preset)))
-    print(f"\n[{preset} {scheme} {str(dtype)[6:]}] mean cos {1 - deficit:.5f} (bf16 baseline {1 - base_deficit:.5f}), "
-          f"min cos {cmin:.4f} (bf16 {base_min:.4f}), greedy top-1 agreement {top1:.3f} (bf16 {base_top1:.3f})")
+    print(
+        f"\n[{preset} {scheme} {str(dtype)[6:]}] mean cos {1 - deficit:.5f} (bf16 baseline {1 - base_deficit:.5f}), "
+        f"min cos {cmin:.4f} (bf16 {base_min:.4f}), greedy top-1 agreement {top1:.3f} (bf16 {base_top1:.3f})"
+    )
     factor, min_top1 = BOUNDS[scheme]
     assert deficit <= factor * base_deficit, f"mean cos deficit {deficit:.5f} > {factor} x bf16 {base_deficit:.5f}"
     assert top1 >= min_top1
@@ -140,9 +156,11 @@ def test_stacked_experts_equal_the_checkpoints_per_expert_tensors(quantized):
     model = load_w8a8_model_from_dir(path)
     ex = model.layers[3].ffn.experts
     for e in (0, 5):
-        for proj, w, s, rows in (("w1", ex.w13_weight, ex.w13_weight_scale, slice(0, 32)),
-                                 ("w3", ex.w13_weight, ex.w13_weight_scale, slice(32, 64)),
-                                 ("w2", ex.w2_weight, ex.w2_weight_scale, slice(0, 64))):
+        for proj, w, s, rows in (
+            ("w1", ex.w13_weight, ex.w13_weight_scale, slice(0, 32)),
+            ("w3", ex.w13_weight, ex.w13_weight_scale, slice(32, 64)),
+            ("w2", ex.w2_weight, ex.w2_weight_scale, slice(0, 64)),
+        ):
             p = f"layers.3.ffn.experts.{e}.{proj}"
             assert stored[p + ".weight"].dtype == torch.int8
             assert torch.equal(w[e, rows], stored[p + ".weight"])

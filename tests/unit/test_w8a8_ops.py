@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-
 import time
 
 import numpy as np
@@ -20,8 +19,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
 from oracles import w8a8_oracle as O
+
 from sglang_dsv4_ascend import ops
 from sglang_dsv4_ascend import settings as dsv4_settings
 from sglang_dsv4_ascend.ops import quant as Q
@@ -134,8 +133,13 @@ def test_dynamic_quant_zero_and_extreme_rows():
 
 
 @HYP
-@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=40),
-                  elements=st.floats(-1e4, 1e4, width=32)))
+@given(
+    hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=40),
+        elements=st.floats(-1e4, 1e4, width=32),
+    )
+)
 def test_dynamic_quant_property(x):
     _assert_dynamic_matches(torch.from_numpy(x.copy()))
 
@@ -160,8 +164,11 @@ def test_static_quant_matches_oracle_with_saturation_and_offset():
 
 
 @HYP
-@given(hnp.arrays(np.float32, (3, 17), elements=st.floats(-50, 50, width=32)),
-       st.floats(0.0009765625, 1.0, width=32), st.integers(-20, 20))
+@given(
+    hnp.arrays(np.float32, (3, 17), elements=st.floats(-50, 50, width=32)),
+    st.floats(0.0009765625, 1.0, width=32),
+    st.integers(-20, 20),
+)
 def test_static_quant_property(x, scale, offset):
     q = Q.static_quant(torch.from_numpy(x.copy()), torch.tensor([scale]), torch.tensor([float(offset)]))
     np.testing.assert_array_equal(q.numpy().astype(np.int64), O.static_quant(x, scale, offset))
@@ -228,8 +235,8 @@ def test_torch_int_mm_is_exact_here(K, M):
     exact = O.int_matmul(x.numpy(), w.numpy())
     np.testing.assert_array_equal(Q.int8_matmul(x, w, method="int_mm").numpy().astype(np.int64), exact)
     for row in range(x.shape[0]):  # one row at a time: the gemv kernels
-        got = Q.int8_matmul(x[row:row + 1], w, method="int_mm").numpy().astype(np.int64)
-        np.testing.assert_array_equal(got, exact[row:row + 1])
+        got = Q.int8_matmul(x[row : row + 1], w, method="int_mm").numpy().astype(np.int64)
+        np.testing.assert_array_equal(got, exact[row : row + 1])
 
 
 def test_int_mm_k1_bug_is_routed_around():
@@ -271,6 +278,7 @@ def _slow(fn, seconds):
     def run(x, wk):
         time.sleep(seconds)
         return fn(x, wk)
+
     return run
 
 
@@ -327,6 +335,7 @@ def test_real_probe_is_bounded_and_exact():
         def run(x, wk):
             shapes.append((tuple(x.shape), tuple(wk.shape)))
             return fn(x, wk)
+
         return run
 
     cands = {k: record(f) for k, f in Q._exact_candidates(torch.device("cpu"), 4096).items()}
@@ -363,7 +372,7 @@ def test_quant_matmul_per_token_bf16_bits_and_broken_variants():
     want = O.dequant(acc, _np(ws), _np(xs))
     np.testing.assert_array_equal(_bits(out), want)
     # Broken: dequant in bf16.
-    b_bf16 = (torch.from_numpy(acc).bfloat16() * ws[None, :] * xs[:, None].bfloat16())
+    b_bf16 = torch.from_numpy(acc).bfloat16() * ws[None, :] * xs[:, None].bfloat16()
     assert not np.array_equal(_bits(b_bf16), want)
     # Broken: other multiply order acc * (scale * token), caught on fp32 output.
     want32 = O.dequant(acc, _np(ws), _np(xs), out="fp32")
@@ -420,7 +429,7 @@ def test_grouped_matmul_equals_per_expert_loop_both_group_list_types():
     c = Q.grouped_quant_matmul(xq, w.transpose(1, 2).contiguous(), sc, xs, cum, 0, w_layout="kn")
     np.testing.assert_array_equal(_bits(a), want)
     assert torch.equal(a, b) and torch.equal(a, c)
-    assert torch.all(a[sum(counts):] == 0)
+    assert torch.all(a[sum(counts) :] == 0)
 
 
 def test_swiglu_clamp_before_silu_and_broken_variant():
@@ -430,7 +439,7 @@ def test_swiglu_clamp_before_silu_and_broken_variant():
     want = O.swiglu_clamped_f32(gu.numpy(), L, lambda v: F.silu(torch.from_numpy(v)).numpy())
     np.testing.assert_array_equal(got.numpy(), want)
     g, u = gu.chunk(2, -1)
-    after = (F.silu(g).clamp(max=L) * u.clamp(-L, L))  # SGLang NPUSwigluStepAndMul order
+    after = F.silu(g).clamp(max=L) * u.clamp(-L, L)  # SGLang NPUSwigluStepAndMul order
     assert not torch.equal(after, got)
     assert torch.equal(Q.swiglu_clamped(gu, 0.0), F.silu(g) * u)
 
@@ -460,13 +469,14 @@ def test_moe_chain_bit_exact_up_to_the_combine():
     per, _ = O.moe_chain(_np(x), ids.numpy(), _np(ones), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
     np.testing.assert_array_equal(got.numpy().view(np.uint32), per[:, 0].view(np.uint32))
     xq, xs = Q.dynamic_quant(x)
-    h = torch.stack([Q.quant_matmul(xq[t:t + 1], w13[e], s13[e], xs[t:t + 1])[0] for t, e in enumerate(ids[:, 0])])
+    h = torch.stack([Q.quant_matmul(xq[t : t + 1], w13[e], s13[e], xs[t : t + 1])[0] for t, e in enumerate(ids[:, 0])])
     assert (h[:, :32] > 10).any() and (h[:, 32:].abs() > 10).any(), "gate and up must cross the limit"
     # Broken: without the clamp, or with the gate clamped after SiLU (and up unclamped), the chain differs.
     assert not torch.equal(Q.moe_w8a8(x, ids, ones, w13, s13, w2, s2, limit=0.0), got)
     clamp_after = lambda v: np.minimum(_silu32(v), np.float32(10.0))  # noqa: E731
-    per_after, _ = O.moe_chain(_np(x), ids.numpy(), _np(ones), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 0.0,
-                               lambda v: clamp_after(v))
+    per_after, _ = O.moe_chain(
+        _np(x), ids.numpy(), _np(ones), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 0.0, lambda v: clamp_after(v)
+    )
     assert not np.array_equal(per_after[:, 0], per[:, 0])
 
 
@@ -476,7 +486,7 @@ def test_moe_chain_weighted_combine():
     per, want = O.moe_chain(_np(x), ids.numpy(), _np(wts), w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
     # fp32 products and sums in some order vs the float64 oracle: |err| <= 2k u sum_j |w_j y_j|, u = 2^-24.
     mag = (np.abs(_np(wts))[:, :, None].astype(np.float64) * np.abs(per)).sum(1)
-    assert np.all(np.abs(got - want) <= 2 * 2 * 2.0 ** -24 * mag)
+    assert np.all(np.abs(got - want) <= 2 * 2 * 2.0**-24 * mag)
 
 
 def test_moe_chain_skips_other_ranks_experts():
@@ -498,13 +508,22 @@ def test_moe_chain_skips_other_ranks_experts():
     def unwritten_nan(xq, w, scales, per_token, group_list, group_list_type=0, out_dtype=torch.bfloat16):
         seen.append((xq.shape[0], int(group_list[-1])))
         out = Q.grouped_quant_matmul(xq, w, scales, per_token, group_list, group_list_type, out_dtype)
-        out[int(group_list[-1]):] = float("nan")
+        out[int(group_list[-1]) :] = float("nan")
         return out
 
     table = dataclasses.replace(ops.kernels("reference"), grouped_quant_matmul=unwritten_nan)
     got = Q.moe_w8a8(x, ids, wts, w13, s13, w2, s2, limit=10.0, ops=table).numpy().astype(np.float64)
-    _, want = O.moe_chain(_np(x), torch.where(here, ids, 0).numpy(), _np(torch.where(here, wts, 0.0)),
-                          w13.numpy(), _np(s13), w2.numpy(), _np(s2), 10.0, _silu32)
+    _, want = O.moe_chain(
+        _np(x),
+        torch.where(here, ids, 0).numpy(),
+        _np(torch.where(here, wts, 0.0)),
+        w13.numpy(),
+        _np(s13),
+        w2.numpy(),
+        _np(s2),
+        10.0,
+        _silu32,
+    )
     mag = np.abs(want).max()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5 * mag, rtol=0)
@@ -514,8 +533,9 @@ def test_moe_chain_skips_other_ranks_experts():
     def zero_weight_combine(x, topk_ids, topk_weights, *a, **kw):
         E = w13.shape[0]
         rows, order, counts = Q.sort_by_expert(topk_ids, E)
-        y = table.grouped_quant_matmul(Q.dynamic_quant(x)[0][rows], w13, s13, Q.dynamic_quant(x)[1][rows],
-                                       torch.cumsum(counts, 0), 0, x.dtype)
+        y = table.grouped_quant_matmul(
+            Q.dynamic_quant(x)[0][rows], w13, s13, Q.dynamic_quant(x)[1][rows], torch.cumsum(counts, 0), 0, x.dtype
+        )
         w = torch.where((topk_ids >= 0) & (topk_ids < E), topk_weights, 0.0).reshape(-1)[order]
         return torch.zeros(x.shape[0], y.shape[-1]).index_add_(0, rows, y.float() * w[:, None])
 
@@ -583,9 +603,13 @@ def triton_outputs(tmp_path_factory):
     path = tmp_path_factory.mktemp("triton") / "out.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(path), here, os.path.dirname(here)],
-                       capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(path), here, os.path.dirname(here)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(path)
 
@@ -604,10 +628,14 @@ def test_triton_dynamic_quant_bit_equal_under_interpreter(triton_outputs):
 
 def test_triton_quant_matmul_bit_equal_under_interpreter(triton_outputs):
     xq, xs, w, ws = _qm_inputs()
-    assert torch.equal(triton_outputs["qm_tok_bf16"].view(torch.int16),
-                       Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.bfloat16).view(torch.int16))
-    assert torch.equal(triton_outputs["qm_tok_fp32"].view(torch.int32),
-                       Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.float32).view(torch.int32))
+    assert torch.equal(
+        triton_outputs["qm_tok_bf16"].view(torch.int16),
+        Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.bfloat16).view(torch.int16),
+    )
+    assert torch.equal(
+        triton_outputs["qm_tok_fp32"].view(torch.int32),
+        Q.quant_matmul(xq, w, ws, xs, out_dtype=torch.float32).view(torch.int32),
+    )
     deq, ib, got = triton_outputs["qm_static"]
     assert torch.equal(got.view(torch.int16), Q.quant_matmul(xq, w, deq, None, ib).view(torch.int16))
     assert torch.equal(triton_outputs["qm_kn"], Q.quant_matmul(xq, w, ws, xs))

@@ -38,14 +38,19 @@ def test_complete_checkpoint_loads_and_skips_draft_tensors(flash):
 def test_dropped_tensor(flash):
     _, raw, weights = flash
     kept = [w for w in weights if w[0] != "layers.2.attn.indexer.compressor.ape"]
-    with pytest.raises(ValueError, match=r"missing .*'layers\.2\.attn\.indexer\.compressor\.ape' expected shape \(4, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"missing .*'layers\.2\.attn\.indexer\.compressor\.ape' expected shape \(4, 64\)"
+    ):
         _load(raw, kept)
 
 
 def test_wrong_shape_names_tensor_expected_shape_and_file(flash):
     _, raw, weights = flash
     bad = _replace(weights, "layers.3.attn.compressor.wkv.weight", torch.zeros(128, 64))
-    msg = r"'layers\.3\.attn\.compressor\.wkv\.weight' \(file model-00001-of-00002\.safetensors\) has shape \(128, 64\), expected \(64, 64\)"
+    msg = (
+        r"'layers\.3\.attn\.compressor\.wkv\.weight' \(file model-00001-of-00002\.safetensors\) "
+        r"has shape \(128, 64\), expected \(64, 64\)"
+    )
     with pytest.raises(ValueError, match=msg):
         _load(raw, bad)
 
@@ -53,7 +58,9 @@ def test_wrong_shape_names_tensor_expected_shape_and_file(flash):
 def test_unexpected_tensor(flash):
     _, raw, weights = flash
     extra = weights + [("layers.0.attn.indexer.wq_b.weight", torch.zeros(2, 2), "extra.safetensors")]
-    with pytest.raises(ValueError, match=r"unexpected tensor 'layers\.0\.attn\.indexer\.wq_b\.weight' \(file extra\.safetensors\)"):
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor 'layers\.0\.attn\.indexer\.wq_b\.weight' \(file extra\.safetensors\)"
+    ):
         _load(raw, extra)  # layer 0 of flash is SWA-only: no indexer
 
 
@@ -62,7 +69,9 @@ def test_non_checkpoint_dtype_is_named_as_such(flash, dtype):
     """Not "quantized": a float64 / int32 weight is simply not a checkpoint dtype."""
     _, raw, weights = flash
     bad = _replace(weights, "layers.0.attn.wq_a.weight", torch.zeros(32, 64, dtype=dtype))
-    with pytest.raises(ValueError, match=re.escape(f"dtype {dtype} is not a checkpoint dtype; expected bf16 / fp16 / fp32")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"dtype {dtype} is not a checkpoint dtype; expected bf16 / fp16 / fp32")
+    ):
         _load(raw, bad)
 
 
@@ -76,7 +85,11 @@ def test_non_checkpoint_dtype_is_named_as_such(flash, dtype):
 )
 def test_quantized_weights_are_refused_clearly(flash, name, tensor):
     _, raw, weights = flash
-    bad = _replace(weights, name, tensor) if any(n == name for n, _, _ in weights) else weights + [(name, tensor, "q.safetensors")]
+    bad = (
+        _replace(weights, name, tensor)
+        if any(n == name for n, _, _ in weights)
+        else weights + [(name, tensor, "q.safetensors")]
+    )
     with pytest.raises(ValueError, match=re.escape(repr(name)) + r".*FP8/FP4 released weights are not supported yet"):
         _load(raw, bad)
 
@@ -97,7 +110,10 @@ def test_load_model_from_dir_names_the_file(flash, tmp_path):
     tensors["norm.weight"] = torch.zeros(65)
     (tmp_path / shard).unlink()
     save_file(tensors, str(tmp_path / shard))
-    with pytest.raises(ValueError, match=r"'norm\.weight' \(file model-00001-of-00002\.safetensors\) has shape \(65,\), expected \(64,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'norm\.weight' \(file model-00001-of-00002\.safetensors\) has shape \(65,\), expected \(64,\)",
+    ):
         load_model_from_dir(str(tmp_path))
 
 
@@ -107,17 +123,27 @@ def test_load_model_from_dir_names_the_file(flash, tmp_path):
         ("compress_ratios", [0, 0, 8, 128, 4, 0], r"compress_ratios\[2\]=8 is invalid; expected one of \(0, 4, 128\)"),
         ("compress_ratios", [0, 0, 4, 128, 4, 4], r"compress_ratios\[5\] \(draft layer\)=4 is invalid; expected 0"),
         # one message naming the field, the expected length and what each entry may be
-        ("compress_ratios", [0, 0, 4, 128, 4, 0, 0, 0],
-         r"compress_ratios=\[.*\] is invalid; expected a list of 6 integers \(num_hidden_layers=5 main-layer entries, "
-         r"each one of \(0, 4, 128\), then num_nextn_predict_layers=1 draft entries, each 0\)"),
+        (
+            "compress_ratios",
+            [0, 0, 4, 128, 4, 0, 0, 0],
+            r"compress_ratios=\[.*\] is invalid; expected a list of 6 integers "
+            r"\(num_hidden_layers=5 main-layer entries, "
+            r"each one of \(0, 4, 128\), then num_nextn_predict_layers=1 draft entries, each 0\)",
+        ),
         ("compress_ratios", "0,0,4", r"compress_ratios='0,0,4' is invalid; expected a list of 6 integers"),
         ("sliding_window", 0, r"sliding_window=0 is invalid; expected a positive integer"),  # 0 is a value, not "unset"
         ("swiglu_limit", -1.0, r"swiglu_limit=-1\.0 is invalid; expected a number >= 0 \(0 disables the clamp\)"),
         ("swiglu_limit", 0.0, None),  # documented: 0 = no clamp
-        ("rope_scaling", {"type": "yarn", "factor": 0, "original_max_position_embeddings": 64},
-         r"rope_parameters\.compress\.factor=0\.0 is invalid"),
-        ("rope_scaling", {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 0},
-         r"beta_fast/beta_slow=\(0\.0, 1\.0\) is invalid"),
+        (
+            "rope_scaling",
+            {"type": "yarn", "factor": 0, "original_max_position_embeddings": 64},
+            r"rope_parameters\.compress\.factor=0\.0 is invalid",
+        ),
+        (
+            "rope_scaling",
+            {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 0},
+            r"beta_fast/beta_slow=\(0\.0, 1\.0\) is invalid",
+        ),
         ("index_topk", 0, r"index_topk=0 is invalid; expected a positive integer"),
         ("o_groups", 3, r"o_groups=3 is invalid; expected a divisor of num_attention_heads=4"),
         ("hc_mult", 0, r"hc_mult=0 is invalid; expected an integer >= 1"),

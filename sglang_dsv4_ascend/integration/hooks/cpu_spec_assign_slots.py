@@ -11,14 +11,15 @@ from __future__ import annotations
 from ..compat import Hook
 
 
-def assign_req_to_token_pool_func(orig, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                  batch_size):
+def assign_req_to_token_pool_func(
+    orig, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size
+):
     """req_to_token[r, start:end] = the next end - start slots of out_cache_loc, request by request."""
     if req_to_token.device.type != "cpu":
         return orig(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size)
     off = 0
     for r, s, e in zip(req_pool_indices.tolist()[:batch_size], start_offset.tolist(), end_offset.tolist()):
-        req_to_token[r, s:e] = out_cache_loc[off: off + e - s].to(req_to_token.dtype)
+        req_to_token[r, s:e] = out_cache_loc[off : off + e - s].to(req_to_token.dtype)
         off += e - s
 
 

@@ -18,8 +18,13 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
     """Build our DSV4 pool where SGLang would build (and, for an OOT platform, reject) its own.
     Its compressed entries are paged through `req_to_token`, one entry row per r token slots."""
     if not is_dsv4_model:
-        return orig(self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
-                    req_to_token_pool=req_to_token_pool)
+        return orig(
+            self,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+        )
     from sglang.srt.runtime_context import get_memory, get_schedule
 
     from ...attention_backend.pool import DSV4TokenToKVPool
@@ -28,11 +33,19 @@ def build_token_to_kv_pool(orig, self, *, sizes, is_dsa_model, is_dsv4_model, re
     cfg = DSV4Config.from_hf(self.model_config.hf_config)
     dtype = self.model_config.dtype
     if self.kv_cache_dtype != dtype:
-        logger.info("dsv4_ascend: caches are kept in the model dtype %s (kv_cache_dtype %s is not "
-                    "supported yet)", dtype, self.kv_cache_dtype)
+        logger.info(
+            "dsv4_ascend: caches are kept in the model dtype %s (kv_cache_dtype %s is not supported yet)",
+            dtype,
+            self.kv_cache_dtype,
+        )
     return DSV4TokenToKVPool(
-        size=sizes.max_total_num_tokens, page_size=get_schedule().page_size, dtype=dtype, cfg=cfg,
-        req_to_token=req_to_token_pool.req_to_token, spec_slack=spec_slack(), device=self.device,
+        size=sizes.max_total_num_tokens,
+        page_size=get_schedule().page_size,
+        dtype=dtype,
+        cfg=cfg,
+        req_to_token=req_to_token_pool.req_to_token,
+        spec_slack=spec_slack(),
+        device=self.device,
         prefix_states=not get_memory().disable_radix_cache,
     )
 

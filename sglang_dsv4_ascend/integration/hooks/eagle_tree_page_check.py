@@ -24,8 +24,12 @@ def handle_eagle_family(orig, server_args):
     cfg = resolving_view(server_args)
     if not (cfg.attention_backend == BACKEND_NAME and (cfg.speculative_eagle_topk or 1) > 1):
         return orig(server_args)
-    with declared_during(server_args, "sglang_dsv4_ascend.tree_check", {"attention_backend": "triton"},
-                         {"attention_backend": BACKEND_NAME}):
+    with declared_during(
+        server_args,
+        "sglang_dsv4_ascend.tree_check",
+        {"attention_backend": "triton"},
+        {"attention_backend": BACKEND_NAME},
+    ):
         return orig(server_args)
 
 

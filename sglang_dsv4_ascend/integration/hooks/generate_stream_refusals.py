@@ -50,7 +50,7 @@ def _sse_error(chunk) -> dict | None:
     if not raw.startswith(b'data: {"error"'):
         return None
     try:
-        event = json.loads(raw[len(b"data: "):])
+        event = json.loads(raw[len(b"data: ") :])
     except ValueError:
         return None
     if isinstance(event, dict) and list(event) == ["error"] and isinstance(event["error"], dict):

@@ -20,15 +20,22 @@ def add_request_gate(server_args, *args, **kwargs):
 
     if not any(m.cls is RequestGate for m in http_server.app.user_middleware):
         http_server.app.add_middleware(
-            RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len)
+            RequestGate, context_len_fn=lambda: http_server.get_global_state().tokenizer_manager.context_len
+        )
     return None
 
 
 HOOK = Hook(
     "http_request_gate",
     "sglang.srt.entrypoints.http_server:launch_server",
-    ("server_args", "init_tokenizer_manager_func", "run_scheduler_process_func", "run_detokenizer_process_func",
-     "execute_warmup_func", "launch_callback"),
+    (
+        "server_args",
+        "init_tokenizer_manager_func",
+        "run_scheduler_process_func",
+        "run_detokenizer_process_func",
+        "execute_warmup_func",
+        "launch_callback",
+    ),
     "BEFORE",
     add_request_gate,
 )

@@ -32,8 +32,10 @@ def normalize_hook(orig, self):
     try:
         return orig(self)
     except _CLIENT_FAULTS as e:
-        raise RequestRejected(f"malformed request (text / input_ids / sampling_params do not fit together "
-                              f"or have the wrong type): {type(e).__name__}: {e}") from e
+        raise RequestRejected(
+            f"malformed request (text / input_ids / sampling_params do not fit together "
+            f"or have the wrong type): {type(e).__name__}: {e}"
+        ) from e
 
 
 HOOK = Hook(

@@ -17,12 +17,17 @@ from ..request_guard import check_request, pool_limits
 def validate_one_request_hook(self, obj, input_ids):
     """BEFORE hook on `TokenizerManager._validate_one_request(self, obj, input_ids)`."""
     hf = self.model_config.hf_config
-    check_request(obj, input_ids, vocab_size=self.model_config.vocab_size,
-                  dsv4=is_dsv4_architectures(getattr(hf, "architectures", None)),
-                  speculative=getattr(self.server_args, "speculative_algorithm", None),
-                  context_len=getattr(self, "context_len", None), limits=pool_limits(self),
-                  checks_total=getattr(self, "validate_total_tokens", True),
-                  truncates=bool(getattr(self, "allow_auto_truncate", False)))
+    check_request(
+        obj,
+        input_ids,
+        vocab_size=self.model_config.vocab_size,
+        dsv4=is_dsv4_architectures(getattr(hf, "architectures", None)),
+        speculative=getattr(self.server_args, "speculative_algorithm", None),
+        context_len=getattr(self, "context_len", None),
+        limits=pool_limits(self),
+        checks_total=getattr(self, "validate_total_tokens", True),
+        truncates=bool(getattr(self, "allow_auto_truncate", False)),
+    )
     return None
 
 

@@ -35,8 +35,13 @@ def verify_round_metrics(orig, self, meta_info, recv_obj, i):
     if rounds > 0:
         meta_info["spec_accept_length"] = 1 + correct / rounds
     else:
-        meta_info.update(spec_verify_ct=0, spec_num_correct_drafts=0, spec_num_proposed_drafts=0,
-                         spec_accept_rate=0.0, spec_accept_length=0.0)
+        meta_info.update(
+            spec_verify_ct=0,
+            spec_num_correct_drafts=0,
+            spec_num_proposed_drafts=0,
+            spec_accept_rate=0.0,
+            spec_accept_length=0.0,
+        )
     return None
 
 

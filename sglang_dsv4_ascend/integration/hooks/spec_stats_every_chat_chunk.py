@@ -53,7 +53,7 @@ class _Serving:
 def _with_stats(chunk, latest: dict):
     if not isinstance(chunk, str) or not chunk.startswith("data: ") or chunk.startswith("data: [DONE]"):
         return chunk
-    body = chunk[len("data: "):]
+    body = chunk[len("data: ") :]
     try:
         obj = json.loads(body)
     except ValueError:
@@ -78,7 +78,7 @@ def _with_stats(chunk, latest: dict):
     if "cached_tokens" in meta:
         ext.setdefault("cached_tokens", meta["cached_tokens"])
     obj["sglext"] = ext
-    tail = body[len(body.rstrip("\n")):]
+    tail = body[len(body.rstrip("\n")) :]
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + tail
 
 

@@ -24,9 +24,23 @@ BLOCK_D = 64
 
 @triton.jit
 def _block_pool_kernel(
-    ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape, out,
-    D, C, stride_blk,
-    R: tl.constexpr, LB: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_D: tl.constexpr,
+    ring_kv,
+    ring_gate,
+    new_kv,
+    new_gate,
+    blk_ring,
+    blk_fresh,
+    blk_from_ring,
+    blk_ok,
+    ape,
+    out,
+    D,
+    C,
+    stride_blk,
+    R: tl.constexpr,
+    LB: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     e = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -46,10 +60,12 @@ def _block_pool_kernel(
         new_row = tl.load(blk_fresh + base).to(tl.int64)
         use_ring = dmask & from_ring & ok
         use_new = dmask & (from_ring == 0) & ok
-        kv = tl.load(ring_kv + ring_row * C + col, mask=use_ring, other=0.0) + \
-            tl.load(new_kv + new_row * C + col, mask=use_new, other=0.0)
-        g = tl.load(ring_gate + ring_row * C + col, mask=use_ring, other=0.0) + \
-            tl.load(new_gate + new_row * C + col, mask=use_new, other=0.0)
+        kv = tl.load(ring_kv + ring_row * C + col, mask=use_ring, other=0.0) + tl.load(
+            new_kv + new_row * C + col, mask=use_new, other=0.0
+        )
+        g = tl.load(ring_gate + ring_row * C + col, mask=use_ring, other=0.0) + tl.load(
+            new_gate + new_row * C + col, mask=use_new, other=0.0
+        )
         g = g + tl.load(ape + (l % R) * C + col, mask=dmask, other=0.0)
         m_new = tl.where(ok, tl.maximum(m, g), m)
         alpha = tl.exp(m - m_new)
@@ -60,8 +76,9 @@ def _block_pool_kernel(
     tl.store(out + e * D + d, acc / s, mask=dmask)
 
 
-def block_pool(ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape,
-               overlap: bool) -> torch.Tensor:
+def block_pool(
+    ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_from_ring, blk_ok, ape, overlap: bool
+) -> torch.Tensor:
     E, LB = blk_ring.shape
     r, C = ape.shape
     D = C // 2 if overlap else C
@@ -71,6 +88,7 @@ def block_pool(ring_kv, ring_gate, new_kv, new_gate, blk_ring, blk_fresh, blk_fr
     f32 = [t.float().contiguous() for t in (ring_kv, ring_gate, new_kv, new_gate, ape)]
     idx = [t.contiguous() for t in (blk_ring, blk_fresh, blk_from_ring.to(torch.int8), blk_ok.to(torch.int8))]
     grid = (E, triton.cdiv(D, BLOCK_D))
-    _block_pool_kernel[grid](f32[0], f32[1], f32[2], f32[3], *idx, f32[4], out, D, C, LB,
-                             R=r, LB=LB, OVERLAP=overlap, BLOCK_D=BLOCK_D)
+    _block_pool_kernel[grid](
+        f32[0], f32[1], f32[2], f32[3], *idx, f32[4], out, D, C, LB, R=r, LB=LB, OVERLAP=overlap, BLOCK_D=BLOCK_D
+    )
     return out

@@ -50,8 +50,9 @@ def _load_block(x_row, smooth_ptr, offs, m, HAS_SMOOTH: tl.constexpr):
 
 
 @triton.jit
-def _dynamic_quant_kernel(x_ptr, smooth_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, inv127,
-                          HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dynamic_quant_kernel(
+    x_ptr, smooth_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, inv127, HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr
+):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -86,8 +87,9 @@ def dynamic_quant(x: torch.Tensor, smooth: Optional[torch.Tensor] = None, block_
     if M:
         sm = smooth.reshape(-1).contiguous() if smooth is not None else x2  # dummy pointer when absent
         bk = min(triton.next_power_of_2(max(K, 1)), block_k)
-        _dynamic_quant_kernel[(M,)](x2, sm, q, s, K, x2.stride(0), q.stride(0), _INV_127,
-                                    HAS_SMOOTH=smooth is not None, BLOCK_K=bk)
+        _dynamic_quant_kernel[(M,)](
+            x2, sm, q, s, K, x2.stride(0), q.stride(0), _INV_127, HAS_SMOOTH=smooth is not None, BLOCK_K=bk
+        )
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
@@ -102,10 +104,29 @@ def _fp32_to_bf16_bits(y):
 
 
 @triton.jit
-def _int8_gemm_dequant_kernel(a_ptr, b_ptr, scale_ptr, tok_ptr, bias_ptr, out_ptr, M, N, K,
-                              stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
-                              HAS_TOK: tl.constexpr, BIAS_KIND: tl.constexpr, OUT_BF16: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int8_gemm_dequant_kernel(
+    a_ptr,
+    b_ptr,
+    scale_ptr,
+    tok_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_om,
+    stride_on,
+    HAS_TOK: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,10 +135,16 @@ def _int8_gemm_dequant_kernel(a_ptr, b_ptr, scale_ptr, tok_ptr, bias_ptr, out_pt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ka = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
-                    mask=(rm[:, None] < M) & (ka[None, :] < K), other=0)
-        b = tl.load(b_ptr + ka[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=(ka[:, None] < K) & (rn[None, :] < N), other=0)
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & (ka[None, :] < K),
+            other=0,
+        )
+        b = tl.load(
+            b_ptr + ka[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=(ka[:, None] < K) & (rn[None, :] < N),
+            other=0,
+        )
         acc += tl.dot(a, b, out_dtype=tl.int32)
     nmask = rn < N
     if BIAS_KIND == 1:
@@ -131,8 +158,7 @@ def _int8_gemm_dequant_kernel(a_ptr, b_ptr, scale_ptr, tok_ptr, bias_ptr, out_pt
         out = _fp32_to_bf16_bits(y)  # out_ptr is the int16 view of the bf16 output
     else:
         out = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, out,
-             mask=(rm[:, None] < M) & nmask[None, :])
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, out, mask=(rm[:, None] < M) & nmask[None, :])
 
 
 def _effective_scale(scale: torch.Tensor, out_dtype, x_scale, bias) -> torch.Tensor:
@@ -146,9 +172,19 @@ def _effective_scale(scale: torch.Tensor, out_dtype, x_scale, bias) -> torch.Ten
     return s32.contiguous()
 
 
-def quant_matmul(xq: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, *, w_layout: str = "nk",
-                 block_m: int = 32, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def quant_matmul(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype=torch.bfloat16,
+    *,
+    w_layout: str = "nk",
+    block_m: int = 32,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """Same contract as `ops.quant.quant_matmul` (xq int8 [M, K], wq int8 [N, K] or [K, N])."""
     if xq.dtype != torch.int8 or wq.dtype != torch.int8:
         raise TypeError(f"quant_matmul takes int8 operands, got {xq.dtype} and {wq.dtype}")
@@ -168,9 +204,27 @@ def quant_matmul(xq: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_sc
     bf16 = out_dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
     if M and N:
-        _int8_gemm_dequant_kernel[grid](xq, b, scale, tok, bias_t, dst, M, N, K,
-                                        xq.stride(0), xq.stride(1), b.stride(0), b.stride(1),
-                                        out.stride(0), out.stride(1),
-                                        HAS_TOK=x_scale is not None, BIAS_KIND=kind, OUT_BF16=bf16,
-                                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        _int8_gemm_dequant_kernel[grid](
+            xq,
+            b,
+            scale,
+            tok,
+            bias_t,
+            dst,
+            M,
+            N,
+            K,
+            xq.stride(0),
+            xq.stride(1),
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_TOK=x_scale is not None,
+            BIAS_KIND=kind,
+            OUT_BF16=bf16,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
     return out

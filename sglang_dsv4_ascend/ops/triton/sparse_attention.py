@@ -39,10 +39,26 @@ def _online_softmax_step(q, kv, ok, m, l, acc, scale):
 
 @triton.jit
 def _sparse_attn_sink_kernel(
-    q_ptr, kv_ptr, idx_ptr, valid_ptr, sink_ptr, out_ptr,
-    H, K, D, scale,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_vt, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    valid_ptr,
+    sink_ptr,
+    out_ptr,
+    H,
+    K,
+    D,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kvn,
+    stride_it,
+    stride_vt,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -50,8 +66,11 @@ def _sparse_attn_sink_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     hmask = offs_h < H
     dmask = offs_d < D
-    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)  # running max, seeded by the sink
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -61,12 +80,16 @@ def _sparse_attn_sink_kernel(
         ok = tl.load(valid_ptr + t * stride_vt + offs_k, mask=kmask, other=0) != 0
         ok = ok & kmask
         idx = tl.load(idx_ptr + t * stride_it + offs_k, mask=ok, other=0)
-        kv = tl.load(kv_ptr + idx[:, None] * stride_kvn + offs_d[None, :],
-                     mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        kv = tl.load(
+            kv_ptr + idx[:, None] * stride_kvn + offs_d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)
         m, l, acc = _online_softmax_step(q, kv, ok, m, l, acc, scale)
     out = acc / l[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    tl.store(
+        out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
 
 
 def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, block_k: int = 32):
@@ -83,21 +106,52 @@ def sparse_attention_with_sink(q, kv_pool, indices, valid, sink, scale: float, b
     sink = sink.float().contiguous()
     grid = (T, triton.cdiv(H, BLOCK_H))
     _sparse_attn_sink_kernel[grid](
-        q, kv_pool, indices, valid, sink, out,
-        H, K, D, float(scale),
-        q.stride(0), q.stride(1), kv_pool.stride(0), indices.stride(0), valid.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_D=triton.next_power_of_2(D),
+        q,
+        kv_pool,
+        indices,
+        valid,
+        sink,
+        out,
+        H,
+        K,
+        D,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        kv_pool.stride(0),
+        indices.stride(0),
+        valid.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_H=BLOCK_H,
+        BLOCK_K=block_k,
+        BLOCK_D=triton.next_power_of_2(D),
     )
     return out
 
 
 @triton.jit
 def _sparse_attn_two_pools_kernel(
-    q_ptr, kva_ptr, kvb_ptr, idx_ptr, sink_ptr, out_ptr,
-    H, K, D, scale,
-    stride_qt, stride_qh, stride_kan, stride_kbn, stride_it, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    kva_ptr,
+    kvb_ptr,
+    idx_ptr,
+    sink_ptr,
+    out_ptr,
+    H,
+    K,
+    D,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kan,
+    stride_kbn,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """As _sparse_attn_sink_kernel, with keys from two pools in one index list: idx >= 0 is row idx
     of pool A (the layer's committed store), idx <= -2 is row -idx - 2 of pool B (this forward's
@@ -108,8 +162,11 @@ def _sparse_attn_two_pools_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     hmask = offs_h < H
     dmask = offs_d < D
-    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
     l = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -122,14 +179,19 @@ def _sparse_attn_two_pools_kernel(
         ok = in_a | in_b
         row_a = tl.where(in_a, idx, 0)
         row_b = tl.where(in_b, -idx - 2, 0)
-        kv = tl.load(kva_ptr + row_a[:, None] * stride_kan + offs_d[None, :],
-                     mask=in_a[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        kv += tl.load(kvb_ptr + row_b[:, None] * stride_kbn + offs_d[None, :],
-                      mask=in_b[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        kv = tl.load(
+            kva_ptr + row_a[:, None] * stride_kan + offs_d[None, :], mask=in_a[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)
+        kv += tl.load(
+            kvb_ptr + row_b[:, None] * stride_kbn + offs_d[None, :], mask=in_b[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)
         m, l, acc = _online_softmax_step(q, kv, ok, m, l, acc, scale)
     out = acc / l[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    tl.store(
+        out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
 
 
 def merged_indices(sources, T: int):
@@ -170,10 +232,25 @@ def sparse_attention_sources(q, sources, sink, scale: float, block_k: int = 32):
     q, pool_a, pool_b, idx = q.contiguous(), pool_a.contiguous(), pool_b.contiguous(), idx.contiguous()
     grid = (T, triton.cdiv(H, BLOCK_H))
     _sparse_attn_two_pools_kernel[grid](
-        q, pool_a, pool_b, idx, sink.float().contiguous(), out,
-        H, idx.shape[1], D, float(scale),
-        q.stride(0), q.stride(1), pool_a.stride(0), pool_b.stride(0), idx.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_D=triton.next_power_of_2(D),
+        q,
+        pool_a,
+        pool_b,
+        idx,
+        sink.float().contiguous(),
+        out,
+        H,
+        idx.shape[1],
+        D,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        pool_a.stride(0),
+        pool_b.stride(0),
+        idx.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_H=BLOCK_H,
+        BLOCK_K=block_k,
+        BLOCK_D=triton.next_power_of_2(D),
     )
     return out
