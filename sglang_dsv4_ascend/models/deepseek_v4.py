@@ -6,6 +6,7 @@ weights SGLang hands it."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,13 +19,25 @@ from ..distributed.layout import Layout, log_layout
 from ..distributed.sharding import rank_part
 from ..layers.vocab_parallel import GatheredHead
 from ..names import DSPARK_ALGO, NEXTN_ALGOS, QUANT_METHOD
-from ..quantization.w8a8 import apply_quant_description, load_w8a8_weights, w8a8_rank_part
+from ..quantization.w8a8 import (
+    DraftView,
+    apply_quant_description,
+    draft_description,
+    load_w8a8_weights,
+    quantized_draft_layers,
+    quantized_linear_count,
+    w8a8_rank_part,
+)
 from .dspark import CONFIDENCE_BIAS, ConfidenceHead, DSparkDraft, load_dspark
 from .dspark import PREFIX as DSPARK_PREFIX
 from .nextn import PREFIX as NEXTN_PREFIX
 from .nextn import NextN
 from .trunk import DSV4Model
 from .weights import iter_checkpoint, load_released_weights
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+# which draft tensors ModelSlim's V4 recipe quantizes (quantization/w8a8.py V4_RECIPE)
+DESCRIPTION_NOTE = "attention wq_a / wq_b / wkv, experts, DSpark main_proj; the rest float"
 
 
 def _weight_files(model_path) -> dict | str | None:
@@ -70,6 +83,26 @@ class DeepseekV4ForCausalLM(nn.Module):
         kind = _draft_kind(self.cfg)
         self.nextn = NextN(self.cfg, dtype=torch.get_default_dtype()) if kind == "nextn" else None
         self.dspark = DSparkDraft(self.cfg, dtype=torch.get_default_dtype()) if kind == "dspark" else None
+        # A W8A8 checkpoint's draft is W8A8 where its description quantizes mtp.* tensors, float
+        # where it quantizes none (a user who quantized only the target). The view is not a
+        # submodule: its blocks are already the draft's.
+        object.__setattr__(self, "draft_view", None)
+        if kind is not None and self.quant_description is not None:
+            counts = {}
+            if quantized_draft_layers(self.quant_description):
+                blocks = self.dspark.mtp if self.dspark is not None else [self.nextn]
+                view = DraftView(blocks, self.cfg, torch.get_default_dtype())
+                apply_quant_description(view, draft_description(self.quant_description))
+                object.__setattr__(self, "draft_view", view)
+                counts = quantized_linear_count(view)
+            logger.info(
+                "dsv4_ascend %s draft: %s",
+                kind,
+                f"W8A8 ({counts.get('W8A8Linear', 0)} linears, {counts.get('W8A8Experts', 0)} routed-expert layers; "
+                f"{DESCRIPTION_NOTE})"
+                if counts
+                else "float (the checkpoint's quant_model_description.json quantizes no mtp.* tensor)",
+            )
         # Set by the speculative worker: the aux request of every forward ({"layer_ids": ...}: the
         # pre-head streams and those layers' streams are kept in `last_aux`, the draft's input).
         self.capture_aux = None
@@ -129,12 +162,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             load_released_weights(self.model, weights, source=source, presliced=presliced)
         else:
             load_w8a8_weights(self.model, weights, self.quant_description, source=source, presliced=presliced)
-        if self.nextn is not None:
+        if self.dspark is not None and not any(item[0] == CONFIDENCE_BIAS for item in draft):
+            old = self.dspark.mtp[-1].confidence_head.proj.weight  # the released heads have no bias
+            self.dspark.mtp[-1].confidence_head = ConfidenceHead(old.shape[1], bias=False, device=old.device)
+        if self.draft_view is not None:
+            load_w8a8_weights(self.draft_view, draft, draft_description(self.quant_description), source=source)
+        elif self.nextn is not None:
             load_released_weights(self.nextn, draft, source=source, prefix=NEXTN_PREFIX)
         elif self.dspark is not None:
-            if not any(item[0] == CONFIDENCE_BIAS for item in draft):  # the released heads have none
-                old = self.dspark.mtp[-1].confidence_head.proj.weight
-                self.dspark.mtp[-1].confidence_head = ConfidenceHead(old.shape[1], bias=False, device=old.device)
             load_dspark(self.dspark, draft, source=source)
 
 

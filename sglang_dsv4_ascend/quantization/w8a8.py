@@ -32,7 +32,10 @@ How descriptions map onto `DSV4Model` (whose module names are the released names
 * Linears that DSV4Model reads through `.weight` instead of calling the module (attn.wo_a in the
   grouped low-rank output, compressor wkv/wgate, the router gate, head, embed) cannot be W8A8 here:
   a description quantizing them is refused with a message naming the tensor.
-* `mtp.*` entries (draft layers) are not the trunk's; they are skipped like the float loader does.
+* `mtp.*` entries are the draft's (NextN's `mtp.0`, DSpark's `mtp.0..2`): the trunk skips them, and
+  the adapter plans and loads them into a `DraftView` of the draft's blocks by the same rules (the
+  draft's linears are module calls too, plus DSpark `main_proj` and NextN `e_proj` / `h_proj`). A
+  description that quantizes no `mtp.*` tensor leaves the draft float beside a W8A8 target.
 """
 
 from __future__ import annotations
@@ -83,14 +86,40 @@ V4_RECIPE = {
 }
 # DSV4Model linears that are called as modules (so they can be swapped for W8A8Linear).
 _SWAPPABLE = re.compile(
-    r"^layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.(?:wq_b|weights_proj))"
-    r"|ffn\.shared_experts\.w[123])$"
+    rf"^{_BLOCK}\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b|indexer\.(?:wq_b|weights_proj))"
+    r"|ffn\.shared_experts\.w[123]|main_proj|e_proj|h_proj)$"
 )
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.(\w+)$")
+_EXPERT = re.compile(rf"^({_BLOCK}\.ffn)\.experts\.(\d+)\.(w[123])\.(\w+)$")
 
 
 def _is_draft(name: str) -> bool:
     return name.startswith("mtp.")
+
+
+class DraftView(nn.Module):
+    """A draft's blocks under their checkpoint names (`mtp.N.*`: NextN's one block, or DSpark's
+    three stages), so the W8A8 plan and loader read a draft as they read the trunk. The draft is
+    replicated on every rank (no layout); the blocks are the draft's own modules, swapped in place."""
+
+    def __init__(self, blocks, cfg, dtype):
+        super().__init__()
+        self.mtp = blocks if isinstance(blocks, nn.ModuleList) else nn.ModuleList(blocks)
+        self.cfg, self.dtype = cfg, dtype
+
+
+def draft_description(desc: dict) -> dict:
+    """The `mtp.*` entries of a description (with its metadata): what a DraftView is planned from."""
+    return {k: v for k, v in desc.items() if k in METADATA_KEYS or (isinstance(k, str) and _is_draft(k))}
+
+
+def quantized_draft_layers(desc: dict) -> list:
+    """The draft layers a description quantizes (empty: the draft is float beside a W8A8 target)."""
+    return sorted(p for p in describe_scheme(draft_description(desc)))
+
+
+def _skips(model: nn.Module, name: str) -> bool:
+    """The trunk skips the draft's entries (the adapter loads them into a DraftView)."""
+    return _is_draft(name) and not isinstance(model, DraftView)
 
 
 class W8A8Error(ValueError):
@@ -458,7 +487,7 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
     dense, moe_layers = {}, {}
     expert_entries: dict = {}
     for prefix, scheme in sorted(layers.items()):
-        if _is_draft(prefix):
+        if _skips(model, prefix):
             continue
         m = _EXPERT.match(prefix + ".weight")
         if m:
@@ -508,7 +537,7 @@ def plan_quantization(model: nn.Module, desc: dict) -> dict:
         moe_layers[ffn] = W8A8_DYNAMIC
     # Every other entry (FLOAT or a quantized layer's extra tensor) must name something real.
     for name, typ in tensor_entries(desc).items():
-        if _is_draft(name):
+        if _skips(model, name):
             continue
         prefix, _, suffix = name.rpartition(".")
         if typ in QUANT_TYPES:
@@ -612,7 +641,7 @@ def load_w8a8_weights(model: nn.Module, weights: Iterable, desc: dict, source=No
         for item in weights:
             name, t = item[0], item[1]
             file = item[2] if len(item) > 2 else None
-            if _is_draft(name):
+            if _skips(model, name):
                 continue
             declared = entries.get(name, FLOAT)
             m = _EXPERT.match(name)
@@ -716,6 +745,8 @@ def _rank_part(model, name, t, expert_match, layout):
     """This rank's part of a ModelSlim tensor: another EP rank's expert is SKIP; a W8A8 layer split
     by rows (attention wq_b) keeps its rows of the weight and of every per-row vector; a W8A8
     shared expert is whole (replicated); float tensors follow the float rules (sharding.shard)."""
+    if _is_draft(name):
+        return t  # the draft is replicated on every rank
     if expert_match is not None:
         return t if int(expert_match.group(2)) in _local_experts(model, expert_match.group(1)) else SKIP
     prefix, _, suffix = name.rpartition(".")

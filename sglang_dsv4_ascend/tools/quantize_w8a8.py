@@ -8,8 +8,10 @@ Which tensors (ModelSlim's V4 recipe, docs/dsv4_reference.md §4.2): attention w
 wkv, indexer wq_b and the shared experts' w1/w2/w3 get the chosen scheme; every routed expert
 w1/w2/w3 and DSpark main_proj are W8A8_DYNAMIC whatever the scheme (SGLang's NPU int8 MoE is dynamic
 only); draft (mtp.*) dense layers stay W8A8_DYNAMIC under --scheme static (the draft is not run
-during calibration); everything else (wo_a, wo_b unless --quantize-wo-b, compressors, indexer
-weights_proj, router, embed, head, norms, hc_*, sinks, Markov/confidence heads) is FLOAT, unchanged.
+during calibration), and --float-draft keeps every draft tensor float (a W8A8 target with a float
+draft: the loader chooses by what the description quantizes); everything else (wo_a, wo_b unless
+--quantize-wo-b, compressors, indexer weights_proj, router, embed, head, norms, hc_*, sinks,
+Markov/confidence heads) is FLOAT, unchanged.
 
 Weights: per-output-channel symmetric int8, s_w[n] = max_k |W[n, k]| / 127 (fp32),
 Wq = clamp(round_half_even(W / s_w), -128, 127); `weight_offset` = 0 (ModelSlim W8A8_DYNAMIC style);
@@ -72,8 +74,10 @@ def quantize_weight(w: torch.Tensor):
     return wq, scale[:, None].contiguous(), torch.zeros_like(scale)[:, None].contiguous(), err
 
 
-def scheme_for(name: str, scheme: str, quantize_wo_b: bool = False) -> Optional[str]:
+def scheme_for(name: str, scheme: str, quantize_wo_b: bool = False, float_draft: bool = False) -> Optional[str]:
     """The ModelSlim type of a released weight name under `scheme` ('dynamic' | 'static'), or None (FLOAT)."""
+    if float_draft and name.startswith("mtp."):
+        return None
     dense = W8A8 if scheme == "static" else W8A8_DYNAMIC
     if V4_RECIPE["routed"].match(name) or V4_RECIPE["draft_proj"].match(name):
         return W8A8_DYNAMIC
@@ -221,6 +225,7 @@ def quantize_checkpoint(
     act_percentile: float = 100.0,
     quantize_wo_b: bool = False,
     progress: bool = True,
+    float_draft: bool = False,
 ) -> dict:
     """Write the W8A8 checkpoint; returns the summary {"layers": {name: row}, "scheme": ..., ...}."""
     from safetensors import safe_open
@@ -244,7 +249,7 @@ def quantize_checkpoint(
         with safe_open(os.path.join(in_dir, fname), framework="pt") as f:
             for name in f.keys():
                 names[name] = fname
-    plan = {n: scheme_for(n, scheme, quantize_wo_b) for n in names if n.endswith(".weight")}
+    plan = {n: scheme_for(n, scheme, quantize_wo_b, float_draft) for n in names if n.endswith(".weight")}
     static_layers = sorted(n[: -len(".weight")] for n, t in plan.items() if t == W8A8)
     act = {}
     if static_layers:
@@ -371,6 +376,9 @@ def main(argv=None) -> int:
         "--act-percentile", type=float, default=100.0, help="activation range percentile (default 100 = min/max)"
     )
     ap.add_argument("--quantize-wo-b", action="store_true", help="also quantize attn.wo_b (the recipe keeps it float)")
+    ap.add_argument(
+        "--float-draft", action="store_true", help="keep the draft (mtp.*) float: a W8A8 target with a float draft"
+    )
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     summary = quantize_checkpoint(
@@ -384,6 +392,7 @@ def main(argv=None) -> int:
         a.act_percentile,
         a.quantize_wo_b,
         progress=not a.no_progress,
+        float_draft=a.float_draft,
     )
     print(format_summary(summary))
     print(f"wrote ModelSlim {summary['model_quant_type']} checkpoint to {a.out_dir}", file=sys.stderr)
