@@ -809,6 +809,9 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
 
     for cls in CLASSES:
         cases = cls(rng, vocab)
+        if config != "no_speculation" and cls is cls_prompts:
+            # its long garbage prompts are the fuzz's cost (30 s of prefill on a DSpark server)
+            cases = rng.sample(cases, 20)
         with ThreadPoolExecutor(CONCURRENCY) as ex:  # batched with each other, as clients would be
             for (path, body), (status, out, dt) in zip(cases, ex.map(one, cases)):
                 ctx = (cls.__name__, path, json.dumps(body, default=repr)[:300], status, str(out)[:300])
@@ -817,7 +820,7 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
         total += len(cases)
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
         assert settled(server) == 0, f"KV tokens still held after {cls.__name__}"
-    assert total >= 900
+    assert total >= (900 if config == "no_speculation" else 850)
     assert probe(server) == before
     assert DESYNC_MARK not in server.log_text()
 
