@@ -228,6 +228,11 @@ class SGLangServer:
     def server_info(self) -> dict:
         return json.loads(self.get("/get_server_info")[1])
 
+    def used_tokens(self) -> int:
+        """KV tokens held by requests, summed over the DP ranks (/v1/loads; SGLang counts radix-cached
+        tokens as evictable, not used)."""
+        return sum(load["num_used_tokens"] for load in json.loads(self.get("/v1/loads")[1])["loads"])
+
 
 def process_tree(pid: int) -> list:
     """pid and all its descendants (Linux /proc)."""

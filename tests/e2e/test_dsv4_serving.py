@@ -3,11 +3,9 @@ DeepseekV4ForCausalLM (an independent implementation) token for token, in fp32, 
 the packaged sets, under chunked prefill and concurrency, and an aborted request frees its cache;
 left idle, the server does not burn a core."""
 
-import json
 import re
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -54,11 +52,6 @@ def hf_greedy(model_path, prompts, n):
     return outs
 
 
-def used_tokens(srv) -> int:
-    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
-        return json.loads(r.read())["loads"][0]["num_used_tokens"]
-
-
 def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids, servers):
     expected = hf_greedy(tiny_dsv4, prompt_ids, N_NEW)
     # Small prefill chunks: the 300-token prompt is prefilled in 5 chunks across batches.
@@ -84,7 +77,7 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     for ids, want in zip(prompt_ids, expected):
         assert srv.generate(ids, N_NEW, ignore_eos=True)["output_ids"] == want
 
-    idle_used = used_tokens(srv)
+    idle_used = srv.used_tokens()
     # A long request to abort mid-generation, running beside the concurrent ones.
     victim = {
         "input_ids": prompt_ids[0],
@@ -99,9 +92,9 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     t = threading.Thread(target=run_victim)
     t.start()
     deadline = time.monotonic() + 60
-    while used_tokens(srv) <= idle_used + len(prompt_ids[0]) and time.monotonic() < deadline:
+    while srv.used_tokens() <= idle_used + len(prompt_ids[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    busy = used_tokens(srv)
+    busy = srv.used_tokens()
     assert busy > idle_used, "the victim request never held any cache"
 
     with ThreadPoolExecutor(len(prompt_ids)) as ex:
@@ -116,6 +109,6 @@ def test_dsv4_greedy_equals_hf_with_concurrency_and_abort(tiny_dsv4, prompt_ids,
     assert len(victim_result["out"]["output_ids"]) < 4000
 
     deadline = time.monotonic() + 30
-    while used_tokens(srv) != idle_used and time.monotonic() < deadline:
+    while srv.used_tokens() != idle_used and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert used_tokens(srv) == idle_used
+    assert srv.used_tokens() == idle_used

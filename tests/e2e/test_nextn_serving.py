@@ -13,7 +13,6 @@ import json
 import re
 import threading
 import time
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,16 +117,11 @@ def test_replay_drives_full_partial_and_zero_acceptance(servers, ckpt, prompts, 
         check_replay_pattern(out, mode, steps)
 
 
-def used_tokens(srv) -> int:
-    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
-        return json.loads(r.read())["loads"][0]["num_used_tokens"]
-
-
 def test_abort_mid_speculation_frees_the_cache(servers, ckpt, prompts, reference, replay_file):
     """On the replay tree4 server (shared with the replay test; the victim's mode is full: every
     round commits a whole path, so its cache grows round by round until the abort)."""
     srv = replay_server(servers, ckpt, replay_file, "tree4")
-    idle = used_tokens(srv)
+    idle = srv.used_tokens()
     victim = {
         "input_ids": prompts[0],
         "rid": "victim",
@@ -137,23 +131,23 @@ def test_abort_mid_speculation_frees_the_cache(servers, ckpt, prompts, reference
     t = threading.Thread(target=lambda: result.setdefault("out", srv.post("/generate", victim)))
     t.start()
     deadline = time.monotonic() + 60
-    while used_tokens(srv) <= idle + len(prompts[0]) and time.monotonic() < deadline:
+    while srv.used_tokens() <= idle + len(prompts[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert used_tokens(srv) > idle, "the victim never held any cache"
+    assert srv.used_tokens() > idle, "the victim never held any cache"
     # several speculative rounds: the victim's cache grows past its prompt by 3 round's worth
-    held = used_tokens(srv)
-    while used_tokens(srv) < held + 3 * 4 and time.monotonic() < deadline:
+    held = srv.used_tokens()
+    while srv.used_tokens() < held + 3 * 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert used_tokens(srv) >= held + 3 * 4, "the victim made no speculative progress"
+    assert srv.used_tokens() >= held + 3 * 4, "the victim made no speculative progress"
     srv.post("/abort_request", {"rid": "victim"})
     t.join(timeout=60)
     out = result["out"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["meta_info"]["spec_verify_ct"] > 0
     deadline = time.monotonic() + 30
-    while used_tokens(srv) != idle and time.monotonic() < deadline:
+    while srv.used_tokens() != idle and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert used_tokens(srv) == idle
+    assert srv.used_tokens() == idle
     # the server still serves, losslessly
     assert srv.generate(prompts[1], N_NEW, ignore_eos=True)["output_ids"] == reference[1]
 

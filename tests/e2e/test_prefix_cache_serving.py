@@ -4,7 +4,6 @@ prompt computed cold), the hit is reported in `cached_tokens` and ends at a page
 saved state, and under eviction pressure outputs stay identical, nothing fails, and the
 allocator's tokens come back."""
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -65,11 +64,6 @@ def _flush(srv) -> None:
             time.sleep(0.2)
 
 
-def _used(srv) -> int:
-    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
-        return json.loads(r.read())["loads"][0]["num_used_tokens"]
-
-
 @pytest.fixture(scope="module")
 def cold_outputs(server_pool, tiny_dsv4):
     """Greedy outputs of every prompt with the radix cache off: each computed from position 0."""
@@ -87,7 +81,7 @@ def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, servers):
     info = srv.server_info()
     assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "dsv4_ascend"
     assert "radix (prefix) cache disabled" not in srv.log_text()
-    idle = _used(srv)
+    idle = srv.used_tokens()
     for name, earlier, prompt, hit in CASES:
         out, cached = _gen(srv, earlier)
         assert out == cold_outputs[tuple(earlier)], name
@@ -109,9 +103,9 @@ def test_prefix_hits_equal_cold_serving(tiny_dsv4, cold_outputs, servers):
     # Everything the tree holds is freed by a flush: the allocator is back where it started.
     _flush(srv)
     deadline = time.monotonic() + 30
-    while _used(srv) != idle and time.monotonic() < deadline:
+    while srv.used_tokens() != idle and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _used(srv) == idle
+    assert srv.used_tokens() == idle
 
 
 def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, servers):
@@ -120,7 +114,7 @@ def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, s
     srv = servers.get(
         tiny_dsv4, "--max-total-tokens", "2048", "--max-running-requests", "3", env={"SGLANG_DSV4_PREFIX_STATES": "3"}
     )
-    idle = _used(srv)
+    idle = srv.used_tokens()
     long = [_ids(700, 200 + i) for i in range(6)]
     with ThreadPoolExecutor(3) as ex:
         rounds = [list(ex.map(lambda p: _gen(srv, p), long)) for _ in range(2)]
@@ -136,9 +130,9 @@ def test_eviction_pressure_keeps_outputs_and_requests(tiny_dsv4, cold_outputs, s
     assert "prefix states: 3 x" in srv.log_text()
     deadline = time.monotonic() + 30
     _flush(srv)
-    while _used(srv) != idle and time.monotonic() < deadline:
+    while srv.used_tokens() != idle and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _used(srv) == idle
+    assert srv.used_tokens() == idle
 
 
 def test_bench_prefix_counts_the_servers_hits(tiny_dsv4):

@@ -772,15 +772,9 @@ def fuzz_server(request, servers, config):
     return servers.get(path, *headline.POOL, *method_flags, *flags, env={**method_env, **env}), vocab
 
 
-def used_tokens(srv) -> int:
-    """KV tokens held by requests (SGLang counts radix-cached ones as evictable, not used)."""
-    with urllib.request.urlopen(srv.url + "/v1/loads", timeout=30) as r:
-        return sum(load["num_used_tokens"] for load in json.loads(r.read())["loads"])
-
-
 def settled(srv, timeout=20.0) -> int:
     deadline = time.monotonic() + timeout
-    while (n := used_tokens(srv)) and time.monotonic() < deadline:
+    while (n := srv.used_tokens()) and time.monotonic() < deadline:
         time.sleep(0.25)
     return n
 
