@@ -8,12 +8,14 @@ and validates eagerly so a bad checkpoint fails at load with the field, the valu
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 VALID_RATIOS = (0, 4, 128)
 _LAYER_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _MISSING = object()
+_INDEXER_TENSOR = re.compile(r"layers\.(\d+)\.attn\.indexer\.")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class DSV4Config:
     dspark_num_experts_per_tok: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: Any = 1
+    index_topk_freq: int = 1  # IndexCache: CSA layers per indexer top-k (upstream's field name)
 
     def __post_init__(self):
         _validate(self)
@@ -87,6 +90,30 @@ class DSV4Config:
         """SWA-only layers use the plain `rope_theta` rope; layers with a compressor use the YaRN
         `compress_rope_theta` rope for every rope application in the layer (q, kv, entries, indexer)."""
         return self.rope_compress if self.compress_ratios[layer] else self.rope_main
+
+    def topk_source(self, layer: int) -> int:
+        """The CSA layer whose indexer top-k CSA layer `layer` attends with (IndexCache). CSA layers
+        are taken in order in groups of `index_topk_freq`; a group's first layer scores and selects,
+        the others reuse its selection. Entry j of every CSA layer summarises the same tokens
+        4j..4j+3, so an entry number picked by one layer addresses the same span in another. The
+        group counts CSA layers only (HCA and SWA layers have no indexer), as upstream's V4 rule
+        `sparse_ordinal % index_topk_freq` does; freq 1 is every layer its own source."""
+        csa = [i for i, r in enumerate(self.compress_ratios) if r == 4]
+        c = csa.index(layer)
+        return csa[c - c % self.index_topk_freq]
+
+    def computes_topk(self, layer: int) -> bool:
+        """Main layer `layer` has a lightning indexer of its own (a CSA layer that is its group's source)."""
+        return self.compress_ratios[layer] == 4 and self.topk_source(layer) == layer
+
+    def is_dropped_tensor(self, name: str) -> bool:
+        """A checkpoint tensor this configuration does not load: the indexer of a CSA layer that
+        reuses another's top-k (IndexCache), as vLLM drops them; the checkpoint stays as released."""
+        m = _INDEXER_TENSOR.match(name)
+        if m is None or self.index_topk_freq == 1:
+            return False
+        layer = int(m.group(1))
+        return layer < self.num_hidden_layers and self.compress_ratios[layer] == 4 and not self.computes_topk(layer)
 
     @property
     def num_hash_layers(self) -> int:
@@ -263,6 +290,9 @@ def _parse(src) -> dict:
         dspark_num_experts_per_tok=_opt_int(_get(src, "dspark_num_experts_per_tok", None)),
         bos_token_id=_opt_int(_get(src, "bos_token_id", None)),
         eos_token_id=_get(src, "eos_token_id", None),
+        # Kept as given (validated below): `--json-model-override-args '{"index_topk_freq": 2}'`
+        # sets it on any checkpoint.
+        index_topk_freq=_get(src, "index_topk_freq", 1),
     )
 
 
@@ -302,6 +332,14 @@ def _validate(c: DSV4Config) -> None:
         raise _bad("hash_layers", c.hash_layers, f"one flag per main layer ({c.num_hidden_layers})")
     if c.index_topk <= 0:
         raise _bad("index_topk", c.index_topk, "a positive integer")
+    f = c.index_topk_freq
+    if not isinstance(f, int) or isinstance(f, bool) or f < 1:
+        raise _bad(
+            "index_topk_freq",
+            f,
+            "a positive integer: 1 (every CSA layer selects its own top-k) or N (IndexCache: the first "
+            "CSA layer of every N selects, the next N-1 reuse its top-k)",
+        )
     if c.head_dim % 2 or not (0 < c.qk_rope_head_dim <= c.head_dim) or c.qk_rope_head_dim % 2:
         raise _bad("qk_rope_head_dim", c.qk_rope_head_dim, f"an even number in (0, head_dim={c.head_dim}]")
     if c.qk_rope_head_dim > c.index_head_dim:

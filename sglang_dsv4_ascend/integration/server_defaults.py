@@ -341,10 +341,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 def checkpoint_problems(raw: dict, model_dir: str, cfg) -> list[str]:
     """What is wrong with a local DeepSeek-V4 checkpoint for the settings `cfg`, one message each."""
     out = []
+    overrides = getattr(cfg, "json_model_override_args", None) or "{}"
     try:
-        DSV4Config.from_hf(raw)
+        overrides = json.loads(overrides) if isinstance(overrides, str) else dict(overrides)
+    except (ValueError, TypeError):
+        overrides = {}  # SGLang's own parser reports a malformed value
+    try:
+        DSV4Config.from_hf({**raw, **overrides} if isinstance(overrides, dict) else raw)
     except ValueError as e:
-        out.append(f"{os.path.join(model_dir, 'config.json')}: {e}")
+        # A field set by the flag (e.g. index_topk_freq) is named with the flag, not the file.
+        bad = [k for k in overrides if isinstance(overrides, dict) and f"{k}=" in str(e)]
+        where = "--json-model-override-args" if bad else os.path.join(model_dir, "config.json")
+        out.append(f"{where}: {e}")
     tok_dir = cfg.tokenizer_path or model_dir
     if (
         not cfg.skip_tokenizer_init

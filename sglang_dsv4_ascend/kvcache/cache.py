@@ -6,7 +6,8 @@ One allocation for `num_slots` request slots (a slot = SGLang's req_pool_idx). P
 * compressor input rows (projected kv and gate of the incomplete windows, fp32), rings keyed the
   same way: CSA keeps the previous and the current 4-token block (overlapping windows) = 8 rows,
   HCA the current 128-token block, the CSA indexer its own 8 rows; each ring has `spec_slack` extra.
-* compressed entries   C4 KV [P//4, head_dim], C4 indexer keys [P//4, index_head_dim], C128 KV
+* compressed entries   C4 KV [P//4, head_dim], C4 indexer keys [P//4, index_head_dim] (on a CSA
+  layer that selects its own top-k: config.topk_source), C128 KV
   [P//128, head_dim], shared by all requests and paged like the token KV of other models: entry j
   of a request (positions [j*r, (j+1)*r)) lives at row token_slots[slot, j*r] // r, where
   token_slots maps (slot, position) to one of P token-slot ids. Under SGLang that map is
@@ -91,8 +92,13 @@ class DSV4Cache:
         # padded forward has the same write lists every step without touching live state.
         self.pad_slot = num_slots
         self.swa_rows_total = (num_slots + 1) * self.window_ring  # kv-store rows before the entries
-        ratios = cfg.compress_ratios if ratios is None else tuple(ratios)
-        self.layers = [self._alloc(r) for r in ratios]
+        if ratios is None:  # the main layers: a CSA layer that reuses another's top-k keeps no indexer keys
+            ratios = cfg.compress_ratios
+            indexed = [cfg.computes_topk(i) for i in range(len(ratios))]
+        else:
+            ratios = tuple(ratios)
+            indexed = [r == 4 for r in ratios]
+        self.layers = [self._alloc(r, ix) for r, ix in zip(ratios, indexed)]
         self.prefix: PrefixStates | None = None  # states at page boundaries, for prefix (radix) hits
 
     def enable_prefix_states(
@@ -132,7 +138,7 @@ class DSV4Cache:
             self.prefix, segs, self.window_ring, rows_ring, self.key_slots, self.device if device is None else device
         )
 
-    def _alloc(self, ratio: int) -> _LayerState:
+    def _alloc(self, ratio: int, indexed: bool) -> _LayerState:
         cfg, S = self.cfg, self.num_slots + 1  # + the scratch slot
         D, Di = cfg.head_dim, cfg.index_head_dim
 
@@ -152,7 +158,7 @@ class DSV4Cache:
             # Rows stay fp32 (tiny) so an entry pooled across forwards equals one pooled in one pass.
             rows[COMPRESSOR] = (zeros(S, ring, width, dtype=torch.float32), zeros(S, ring, width, dtype=torch.float32))
             entries[COMPRESSOR] = kv[n_swa:]
-            if overlap:
+            if indexed:
                 rows[INDEXER] = (
                     zeros(S, ring, 2 * Di, dtype=torch.float32),
                     zeros(S, ring, 2 * Di, dtype=torch.float32),
@@ -299,7 +305,7 @@ class DSV4Cache:
             acc["compressor_rows"] += sum(_nb(kv) + _nb(g) for kv, g in st.rows.values())
             if st.ratio == 4:
                 acc["c4_kv"] += _nb(st.entries[COMPRESSOR])
-                acc["c4_index"] += _nb(st.entries[INDEXER])
+                acc["c4_index"] += _nb(st.entries[INDEXER]) if INDEXER in st.entries else 0
             elif st.ratio == 128:
                 acc["c128_kv"] += _nb(st.entries[COMPRESSOR])
         acc["total"] = sum(acc.values())

@@ -25,7 +25,7 @@ from ..distributed.layout import Layout
 from ..ops.reference import Source
 from . import RMSNorm
 from .compressor import Compressor
-from .indexer import Indexer
+from .indexer import Indexer, TopkCarry
 from .rope import Rotary
 
 
@@ -53,7 +53,18 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
         self.rotary = Rotary(cfg.rope_for(layer_id), device=device)
         self.compressor = Compressor(cfg, self.ratio, D, dtype, device) if self.ratio else None
-        self.indexer = Indexer(cfg, dtype, device) if self.ratio == 4 else None
+        # IndexCache (config.topk_source): only a group's source CSA layer has an indexer; the
+        # group's other CSA layers attend with its top-k (`topk_carry`, shared by the group, linked
+        # by the model) and neither project, pool nor store indexer keys: nothing would read them,
+        # since every later selection of the group is the source's. The cache allocates no indexer
+        # store for them (kvcache/cache.py), prefix states hold none, and the checkpoint's tensors
+        # for them are not loaded (config.is_dropped_tensor). `index_topk_freq` is fixed for a
+        # server's life (a model-config field), so every prefix hit is served under the freq that
+        # wrote it.
+        computes = self.ratio == 4 and cfg.computes_topk(layer_id)
+        self.indexer = Indexer(cfg, dtype, device) if computes else None
+        self.reuses_topk = self.ratio == 4 and not computes
+        self.topk_carry = TopkCarry() if self.ratio == 4 else None
 
     def _project(self, x, positions):
         cos, sin = self.rotary(positions)
@@ -105,6 +116,10 @@ class Attention(nn.Module):
             picks_com, picks_new = self.indexer.select_batched(
                 qi, wi, committed, completed, rp, T, n_swa, plan.host_groups
             )
+            self.topk_carry.put(plan, (picks_com, picks_new))
+            extra = [picks_com._replace(pool=st.kv), picks_new._replace(pool=fresh)]
+        elif self.reuses_topk:  # the group source's picks: entry numbers, layer-independent rows
+            picks_com, picks_new = self.topk_carry.take(plan)
             extra = [picks_com._replace(pool=st.kv), picks_new._replace(pool=fresh)]
         elif self.compressor is not None:  # HCA: every visible entry
             extra = [
@@ -135,6 +150,7 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)
         offset = 0
+        picks = [] if self.indexer is not None else None
         for i, seg in enumerate(segments):
             sl = slice(offset, offset + seg.length)
             offset += seg.length
@@ -146,6 +162,9 @@ class Attention(nn.Module):
                 if self.indexer is not None:
                     keys = self._entries(cache, seg, w, INDEXER, self.indexer.compressor)
                     sel, ok = self.indexer.select(qi[sl], wi[sl], keys, positions[sl])
+                    picks.append((sel, ok))
+                elif self.reuses_topk:  # the group source's selection for this segment
+                    sel, ok = self.topk_carry.take(segments)[i]
                 else:  # HCA: every visible entry
                     sel = torch.arange(entries.shape[0], device=x.device).expand(seg.length, -1)
                     ok = sel < ((positions[sl] + 1) // self.ratio)[:, None]
@@ -157,6 +176,8 @@ class Attention(nn.Module):
                 cache.write(w)
             else:
                 pending.append(w)
+        if picks is not None:
+            self.topk_carry.put(segments, picks)
         return self._finish(out, cos, sin)
 
     def _window(self, cache, seg, kv_new, positions):

@@ -60,6 +60,27 @@ def _pick(table, group, cols):
     return table[group[:, None], cols.clamp(0, table.shape[1] - 1)]
 
 
+class TopkCarry:
+    """IndexCache: the top-k a group's source CSA layer selected in the current forward, handed to
+    the group's other CSA layers (config.topk_source). Keyed by the forward (its plan, or its
+    segment list) so a reusing layer can never attend with a selection from an earlier forward.
+    Batched path: the two pool-less Sources of `select_batched`; per-segment path: one
+    (indices, valid) per segment. Not a module: it holds no weights, only this forward's picks."""
+
+    __slots__ = ("key", "picks")
+
+    def __init__(self):
+        self.key, self.picks = None, None
+
+    def put(self, key, picks) -> None:
+        self.key, self.picks = key, picks
+
+    def take(self, key):
+        if self.key is not key:
+            raise RuntimeError("IndexCache: a reusing CSA layer ran before its group's source layer in this forward")
+        return self.picks
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg, dtype=None, device=None):
         super().__init__()

@@ -112,6 +112,9 @@ class DSV4Model(nn.Module):
             else nn.Embedding(V, d, dtype=dtype, device=device)
         )
         self.layers = nn.ModuleList(Block(cfg, i, dtype, device, self.layout) for i in range(cfg.num_hidden_layers))
+        for i, block in enumerate(self.layers):  # IndexCache: a group's CSA layers share its source's picks
+            if block.attn.reuses_topk:
+                block.attn.topk_carry = self.layers[cfg.topk_source(i)].attn.topk_carry
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.head = nn.Linear(d, V, bias=False, dtype=dtype, device=device)
         self.fp32_head = False  # the served head computes in fp32 (--enable-fp32-lm-head): set by the served model

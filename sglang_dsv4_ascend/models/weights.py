@@ -69,6 +69,7 @@ def load_released_weights(
     tid2eid table."""
     targets = {prefix + k: v for k, v in model.state_dict(keep_vars=True).items()}
     layout = getattr(model, "layout", None)
+    cfg = getattr(model, "cfg", None)
     loaded = set()
 
     def file_of(name, explicit=None):
@@ -80,6 +81,8 @@ def load_released_weights(
         name, tensor = item[0], item[1]
         file = file_of(name, item[2] if len(item) > 2 else None)
         if is_ignored(name) if not prefix else not name.startswith(prefix):
+            continue
+        if cfg is not None and not prefix and cfg.is_dropped_tensor(name):  # IndexCache: a reusing layer's indexer
             continue
         if name.endswith(_QUANT_SUFFIXES):
             raise ValueError(

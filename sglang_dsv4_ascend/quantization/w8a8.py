@@ -118,8 +118,12 @@ def quantized_draft_layers(desc: dict) -> list:
 
 
 def _skips(model: nn.Module, name: str) -> bool:
-    """The trunk skips the draft's entries (the adapter loads them into a DraftView)."""
-    return _is_draft(name) and not isinstance(model, DraftView)
+    """The trunk skips the draft's entries (the adapter loads them into a DraftView), and the
+    indexer of a CSA layer that reuses another's top-k (IndexCache: config.is_dropped_tensor)."""
+    if _is_draft(name):
+        return not isinstance(model, DraftView)
+    cfg = getattr(model, "cfg", None)
+    return cfg is not None and not isinstance(model, DraftView) and cfg.is_dropped_tensor(name)
 
 
 class W8A8Error(ValueError):
