@@ -59,6 +59,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.layout = Layout.from_sglang()
         log_layout(self.layout)
         self.model = DSV4Model(self.cfg, dtype=torch.get_default_dtype(), layout=self.layout)
+        if self.cfg.index_topk_freq > 1:
+            csa = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
+            logger.info(
+                "dsv4_ascend IndexCache: index_topk_freq=%d: CSA layers %s select their top-k, layers %s reuse "
+                "their group's",
+                self.cfg.index_topk_freq,
+                [i for i in csa if self.cfg.computes_topk(i)],
+                [i for i in csa if not self.cfg.computes_topk(i)],
+            )
         self.quant_description = None
         if quant_config is not None:
             if quant_config.get_name() != QUANT_METHOD:

@@ -105,6 +105,7 @@ SCHEDULE = [
     ("ranks", "test_parallel_serving.py::test_speculation_on_two_ranks_is_lossless_and_in_sync[dspark_adaptive-dp2]"),
     ("ranks", f"{FUZZ}[dspark_adaptive_tp2]"),
     ("ranks", "test_parallel_serving.py"),
+    ("ranks", "test_indexcache_serving.py::test_served_freq2_equals_in_process[nospec_tp2]"),
     # DSpark on the random checkpoint; the trained model's methods, each server's users together
     ("spec", "test_dspark_serving.py"),
     ("spec", "test_trained_tiny.py::test_the_completion"),
@@ -120,6 +121,7 @@ SCHEDULE = [
     ],
     ("spec", "test_bench_serve.py"),  # DSpark adaptive
     ("spec", "test_trained_tiny.py"),
+    ("spec", "test_indexcache_serving.py"),  # IndexCache servers of their own (freq 2)
     # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals
     ("nextn", "test_nextn_serving.py"),
     ("nextn", "test_prefix_cache_serving.py"),

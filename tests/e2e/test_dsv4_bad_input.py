@@ -122,6 +122,12 @@ def case_tree_wider_than_its_draft_tokens(d):
     ], ["--speculative-eagle-topk 4: at most --speculative-num-draft-tokens - 1 = 2"]
 
 
+def case_index_topk_freq_zero(d):
+    return ["--json-model-override-args", '{"index_topk_freq": 0}'], [
+        "--json-model-override-args: DSV4 config: index_topk_freq=0 is invalid; expected a positive integer"
+    ]
+
+
 CASES = [
     case_dropped_tensor,
     case_float64_weight,
@@ -135,6 +141,7 @@ CASES = [
     case_nextn_on_a_dspark_checkpoint,
     case_dspark_on_a_nextn_checkpoint,
     case_tree_wider_than_its_draft_tokens,
+    case_index_topk_freq_zero,
 ]
 
 
