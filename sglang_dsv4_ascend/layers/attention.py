@@ -22,8 +22,8 @@ from torch import nn
 from .. import ops
 from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..distributed.layout import Layout
-from ..ops.reference import Source
-from . import RMSNorm
+from ..ops.reference import Source, pad_rows
+from . import SMALL_M, Linear, RMSNorm
 from .compressor import Compressor
 from .indexer import Indexer, TopkCarry
 from .rope import Rotary
@@ -43,13 +43,13 @@ class Attention(nn.Module):
         self.n_heads, self.o_groups = H, G
         self.head_dim, self.window, self.eps = D, cfg.sliding_window, cfg.rms_norm_eps
         kw = dict(bias=False, dtype=dtype, device=device)
-        self.wq_a = nn.Linear(d, cfg.q_lora_rank, **kw)
+        self.wq_a = Linear(d, cfg.q_lora_rank, **kw)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, **kw)
-        self.wkv = nn.Linear(d, D, **kw)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D, **kw)
+        self.wkv = Linear(d, D, **kw)
         self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.wo_a = nn.Linear(H * D // G, G * cfg.o_lora_rank, **kw)  # this rank's heads of each of its groups
-        self.wo_b = nn.Linear(G * cfg.o_lora_rank, d, **kw)
+        self.wo_a = Linear(H * D // G, G * cfg.o_lora_rank, **kw)  # this rank's heads of each of its groups
+        self.wo_b = Linear(G * cfg.o_lora_rank, d, **kw)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
         self.rotary = Rotary(cfg.rope_for(layer_id), device=device)
         self.compressor = Compressor(cfg, self.ratio, D, dtype, device) if self.ratio else None
@@ -204,7 +204,8 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Group g's heads (contiguous) -> o_lora via its own block of wo_a; groups concatenated."""
-        G = self.o_groups
-        groups = o.flatten(1).unflatten(-1, (G, -1))  # [T, G, H*D/G]
+        G, T = self.o_groups, o.shape[0]
+        # a few fp32 rows take the batched matmul's small-M kernels: padded, as layers.Linear
+        groups = (pad_rows(o) if o.dtype == torch.float32 and T < SMALL_M else o).flatten(1).unflatten(-1, (G, -1))
         wa = self.wo_a.weight.unflatten(0, (G, -1))  # [G, o_lora, H*D/G]
-        return torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)
+        return torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)[:T]

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import ops
 from ..ops.reference import Source, source_rows
+from . import Linear
 from .compressor import Compressor
 
 # Peak working set of the batched selection: (rows x candidates x max(heads, dims)) elements per chunk.
@@ -86,8 +87,8 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.ratio = 4
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype, device=device)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=dtype, device=device)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype, device=device)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=dtype, device=device)
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, dtype=dtype, device=device)
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, cos, sin):

@@ -17,6 +17,7 @@ from torch import nn
 from .. import ops
 from ..distributed.layout import Layout
 from ..ops.reference import pad_rows
+from . import Linear
 
 
 class Expert(nn.Module):
@@ -24,9 +25,9 @@ class Expert(nn.Module):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
         self.w1, self.w3, self.w2 = (
-            nn.Linear(dim, inter, **kw),
-            nn.Linear(dim, inter, **kw),
-            nn.Linear(inter, dim, **kw),
+            Linear(dim, inter, **kw),
+            Linear(dim, inter, **kw),
+            Linear(inter, dim, **kw),
         )
         self.limit = limit
 

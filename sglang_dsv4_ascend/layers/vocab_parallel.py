@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.layout import Layout
+from ..ops.reference import pad_rows
+from . import SMALL_M
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -45,6 +47,9 @@ def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False) 
     bf16 logits are rounded to bf16 (as the served head's are); fp32 would be closer to exact but
     would differ from the non-speculative path, and losslessness is judged against that path."""
     dtype = torch.float32 if fp32 or hidden.dtype == torch.float32 else weight.dtype
+    rows = hidden.shape[0]
+    if dtype == torch.float32 and hidden.dim() == 2 and 0 < rows < SMALL_M:  # as layers.Linear
+        return torch.matmul(pad_rows(hidden.to(dtype)), weight.to(dtype).T)[:rows]
     return torch.matmul(hidden.to(dtype), weight.to(dtype).T)
 
 

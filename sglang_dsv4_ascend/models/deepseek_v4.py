@@ -83,10 +83,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         # the speculative engine's logits round as this processor's do (vocab_parallel.head_matmul)
         self.model.fp32_head = bool(self.logits_processor.use_fp32_lm_head)
-        head = self.model.head
-        if self.layout.vocab_parallel(self.cfg.vocab_size):
-            head = GatheredHead(head, self.layout)
-        object.__setattr__(self, "_logits_head", head)  # not a second registration of model.head
+        # Always through GatheredHead (its quant_method.apply is what SGLang's processor calls):
+        # the served logits are then head_matmul's, rounded as the speculative engine's are,
+        # on one rank too (an fp32 row rounds alike alone or in a batch: layers.Linear).
+        object.__setattr__(self, "_logits_head", GatheredHead(self.model.head, self.layout))
         # The draft (NextN's mtp.0 or DSpark's mtp.0..2), built only when a speculative worker will
         # use it.
         kind = _draft_kind(self.cfg)

@@ -195,3 +195,60 @@ def test_bf16_a_request_is_computed_alike_beside_a_longer_one(bf16_model):
             alone = _forward(m, cache, 0, s_seq, short, short + 4)
             beside = _forward(m, cache, 1, s_seq, short, short + 4, others=[(2, l_seq, long, 1)])
             assert torch.equal(alone, beside), ("verify", short, long)
+
+
+def test_fp32_linear_rows_are_the_same_alone_and_in_a_batch(monkeypatch):
+    """layers.Linear: every row of an fp32 batch of 1..20 rows has the bits of the same row in a
+    20-row batch (the CPU's small-M kernels differ for 1-3 rows); plain nn.Linear is caught."""
+    from sglang_dsv4_ascend.layers import Linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(128, 512, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(512, 128, generator=g))
+        x = torch.randn(20, 128, generator=g)
+        full = torch.nn.functional.linear(x, lin.weight)  # 20 rows: the blocked gemm
+        assert all(torch.equal(lin(x[:m]), full[:m]) for m in range(1, 21))
+        monkeypatch.setattr(Linear, "forward", torch.nn.Linear.forward)
+        assert not all(torch.equal(lin(x[:m]), full[:m]) for m in range(1, 4))
+
+
+@pytest.fixture(scope="module")
+def w8a8_model(w8a8_checkpoint):
+    from sglang_dsv4_ascend.quantization.w8a8 import load_w8a8_model_from_dir
+
+    return load_w8a8_model_from_dir(w8a8_checkpoint("flash", "nextn"), dtype=torch.float32)
+
+
+def _w8a8_alone_and_beside(m):
+    """Request 0's one-row decode and 4-row verify logits alone and beside three other requests
+    (their decode or verify rows in the same forward), W8A8 with fp32 activations."""
+    V, g = m.cfg.vocab_size, torch.Generator().manual_seed(5)
+    lens = (150, 90, 201, 60)
+    seqs = [torch.randint(0, V, (n + 8,), generator=g) for n in lens]
+    out = []
+    with torch.no_grad():
+        cache = m.make_cache(8, 260, 0)
+        for slot, (seq, n) in enumerate(zip(seqs, lens)):  # slot 4: request 0 again, alone
+            _forward(m, cache, slot, seq, 0, n)
+        _forward(m, cache, 4, seqs[0], 0, lens[0])
+        for rows in (1, 4):
+            alone = _forward(m, cache, 4, seqs[0], lens[0], lens[0] + rows)
+            others = [(s, seqs[s], lens[s], rows if s == 1 else 1) for s in (1, 2, 3)]
+            beside = _forward(m, cache, 0, seqs[0], lens[0], lens[0] + rows, others=others)
+            out.append((alone, beside))
+    return out
+
+
+def test_w8a8_rows_are_computed_alike_alone_and_beside_others(w8a8_model, monkeypatch):
+    """The prerequisite of W8A8 with speculation (#31): a request's W8A8 logits must not depend
+    on the batch (a verify row must round as the same token's one-row decode does). INT8 GEMMs are
+    exact; the float linears (wo_a, wo_b, the head, ...) are what varied. With plain nn.Linear
+    (the small-M kernels) the one-row decode differs: caught."""
+    from sglang_dsv4_ascend.layers import Linear
+
+    for alone, beside in _w8a8_alone_and_beside(w8a8_model):
+        assert torch.equal(alone, beside)
+    monkeypatch.setattr(Linear, "forward", torch.nn.Linear.forward)
+    (alone, beside), _ = _w8a8_alone_and_beside(w8a8_model)
+    assert not torch.equal(alone, beside)

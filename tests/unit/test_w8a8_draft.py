@@ -85,7 +85,7 @@ def test_draft_layers_are_int8_where_the_recipe_says(quantized, kind):
     desc = read_quant_description(path)
     _, view = _draft(path, kind)
     int8 = {n for n, m in view.named_modules() if isinstance(m, W8A8Linear)}
-    floats = {n for n, m in view.named_modules() if type(m) is torch.nn.Linear}
+    floats = {n for n, m in view.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, W8A8Linear)}
     assert int8 and int8 == {n for n in int8 | floats if INT8.match(n)}
     assert all(not INT8.match(n) for n in floats)  # wo_a, wo_b, e_proj / h_proj, heads stay float
     moes = [n for n, m in view.named_modules() if isinstance(m, W8A8MoE)]
