@@ -1,7 +1,7 @@
 """Cache bytes per token of context for DeepSeek-V4-Flash / -Pro, from the backend's allocations.
 
     python -m sglang_dsv4_ascend.bench cache --config flash|pro [--dtype bf16|fp32] [--spec-slack N]
-                                             [--tp N --ep M]
+                                             [--tp N --ep M] [--index-topk-freq 1,2,4]
 
 With --tp (and --ep), also each rank's share under that layout (distributed/layout.py): its weight
 bytes (the model built on the meta device with the rank's heads, groups, experts and shared-expert
@@ -19,11 +19,18 @@ its bytes are divided by the context. The baseline is a full MLA-style cache of 
 every layer keeps a 576-element latent (kv_lora 512 + rope 64) per token in the same dtype, as
 DeepSeek-V3 / V3.2 do. DeepSeek reports about 10 % at 1M tokens for V4-Pro vs V3.2; this counts
 only KV state (not V3.2's indexer keys), and includes our fixed per-request rings.
+
+With --index-topk-freq (IndexCache, config.index_topk_freq), also an `index_cache` block: for each
+freq the same `DSV4Cache` allocation with the config's freq replaced (a CSA layer that reuses its
+group source's top-k keeps no indexer key store and no indexer compressor rows), its bytes per
+token at each context, and the bytes per token saved against freq 1 and their fraction of freq
+1's bytes. The rows of the default output are freq 1 (the released config) and do not change.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -131,6 +138,53 @@ def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
     }
 
 
+def index_cache(name: str, dtype: torch.dtype, freqs, spec_slack: int = 0) -> dict:
+    """Cache bytes per token with the config's `index_topk_freq` replaced by each of `freqs`, and
+    what each saves against freq 1 (IndexCache: reusing CSA layers allocate no indexer store)."""
+    from sglang_dsv4_ascend.config import DSV4Config
+    from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
+
+    base = DSV4Config.from_hf(CONFIGS[name])
+    csa = [i for i in range(base.num_hidden_layers) if base.compress_ratios[i] == 4]
+
+    def total(cfg, ctx):
+        cache = DSV4Cache(cfg, num_slots=1, max_context_len=ctx, spec_slack=spec_slack, dtype=dtype, device="meta")
+        return cache.nbytes()
+
+    ref = {ctx: total(base, ctx)["total"] for ctx in CONTEXTS}
+    rows = []
+    for f in freqs:
+        cfg = dataclasses.replace(base, index_topk_freq=f)
+        computing = [i for i in csa if cfg.computes_topk(i)]
+        per_ctx = []
+        for ctx in CONTEXTS:
+            nb = total(cfg, ctx)
+            saved = ref[ctx] - nb["total"]
+            per_ctx.append(
+                {
+                    "context": ctx,
+                    "bytes_per_token": round(nb["total"] / ctx, 2),
+                    "c4_index_bytes_per_token": round(nb["c4_index"] / ctx, 2),
+                    "saved_bytes_per_token_vs_freq1": round(saved / ctx, 2),
+                    "saved_fraction_vs_freq1": round(saved / ref[ctx], 4),
+                }
+            )
+        rows.append(
+            {
+                "index_topk_freq": f,
+                "indexer_layers": len(computing),
+                "reusing_layers": len(csa) - len(computing),
+                "results": per_ctx,
+            }
+        )
+    return {
+        "csa_layers": len(csa),
+        "source": "DSV4Cache allocations on the meta device with config.index_topk_freq replaced; saved = freq 1's "
+        "total bytes - freq N's (the reusing CSA layers' indexer key entries and indexer compressor rows)",
+        "by_freq": rows,
+    }
+
+
 DEVICE_GB = 64  # HBM of one 910C die (one rank)
 
 
@@ -215,9 +269,25 @@ def main(argv=None) -> int:
         default=1,
         help="with --tp: --dp-size D --enable-dp-attention (D divides N; attention TP = N / D)",
     )
+    ap.add_argument(
+        "--index-topk-freq",
+        default=None,
+        help="comma-separated IndexCache freqs (e.g. 1,2,4): add an index_cache block of bytes per token and "
+        "bytes saved vs freq 1",
+    )
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    freqs = None
+    if a.index_topk_freq is not None:
+        try:
+            freqs = [int(x) for x in a.index_topk_freq.split(",") if x.strip()]
+        except ValueError:
+            freqs = []
+        if not freqs or min(freqs) < 1:
+            ap.error(f"--index-topk-freq {a.index_topk_freq!r}: expected comma-separated positive integers")
     out = measure(a.config, dtype, a.spec_slack)
+    if freqs is not None:
+        out["index_cache"] = index_cache(a.config, dtype, freqs, a.spec_slack)
     if a.tp is not None or a.dp != 1:
         try:
             out["per_rank"] = per_rank(a.config, a.tp or 1, a.ep, dtype, dp=a.dp)
