@@ -50,13 +50,14 @@ def rounded(x, nd=3):
 
 
 class InProcess:
-    """The model, its NextN block and the engine on this process's CPU."""
+    """The model, its NextN block and the engine on this process's CPU. `trunk`: a target already
+    built from `ckpt` (e.g. with another `index_topk_freq`: bench/indexcache.py); default: loaded."""
 
-    def __init__(self, ckpt: str):
+    def __init__(self, ckpt: str, trunk=None):
         from ..models.nextn import load_nextn_from_dir
         from ..models.weights import load_model_from_dir
 
-        self.trunk = load_model_from_dir(ckpt)
+        self.trunk = load_model_from_dir(ckpt) if trunk is None else trunk
         self.nextn = load_nextn_from_dir(ckpt, self.trunk.cfg)
         self.model = types.SimpleNamespace(model=self.trunk, nextn=self.nextn, cfg=self.trunk.cfg)
 
