@@ -9,6 +9,7 @@ BENCHES = {
     "step": "sglang_dsv4_ascend.bench.step",
     "w8a8": "sglang_dsv4_ascend.bench.w8a8",
     "prefix": "sglang_dsv4_ascend.bench.prefix",
+    "indexcache": "sglang_dsv4_ascend.bench.indexcache",
 }
 
 
