@@ -28,9 +28,9 @@ does not change the work, only its length does), plan and logits included, write
 dropped so every rep sees the same cache: median of `--reps` after one warm-up. Prefill: one chunk
 of `--chunk` tokens of one request at start L - chunk, same cache, `--prefill-reps` timings
 (median) after a warm-up forward of each model; tok/s = chunk / wall time. Each time is reported
-as wall time and as this process's CPU time over the same calls (time.process_time, user +
-system: what other load on a shared machine does not inflate). The freqs are interleaved at each
-L, so load drift hits them alike.
+as wall time and as this process's user CPU time over the same calls (getrusage), which other load
+on a shared machine does not inflate (prefill: system time too, mostly page faults of the large
+temporaries). The freqs are interleaved at each L, so load drift hits them alike.
 
 `quality`: the trained tiny model, bf16 weights run in fp32, `--prompts` prompts of exactly
 `--prompt-len` tokens from the packaged sets (spec_common.prompt_ids: gsm8k / humaneval /
@@ -79,17 +79,30 @@ def log(msg: str) -> None:
     print(f"[bench indexcache] {msg}", file=sys.stderr, flush=True)
 
 
+def _cpu() -> tuple:
+    """(user, system) CPU seconds of this process so far, all threads."""
+    try:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime
+    except ImportError:  # no getrusage: all of it counted as user time
+        return time.process_time(), 0.0
+
+
 def _median_s(fn, reps: int, warmup: bool = True) -> tuple:
-    """(median wall seconds, median CPU seconds of this process) of `reps` calls of fn."""
+    """Medians of `reps` calls of fn: (wall, user CPU, system CPU) seconds."""
     if warmup:
         fn()
-    walls, cpus = [], []
+    walls, users, syss = [], [], []
     for _ in range(reps):
-        c0, t0 = time.process_time(), time.perf_counter()
+        (u0, s0), t0 = _cpu(), time.perf_counter()
         fn()
         walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return statistics.median(walls), statistics.median(cpus)
+        u1, s1 = _cpu()
+        users.append(u1 - u0)
+        syss.append(s1 - s0)
+    return statistics.median(walls), statistics.median(users), statistics.median(syss)
 
 
 def load_at_freq(path: str, freq: int, dtype: torch.dtype = torch.float32):
@@ -216,14 +229,15 @@ def run_tiny(ckpt: str, freqs, contexts, batch: int, chunk: int, reps: int, pref
                 pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
                 return lambda: m.compute_logits(m(ids, pos, segs, cache, pending=[], plan=build_plan(segs, cache)))
 
-            dec, dec_cpu = _median_s(step(dec_ids, dec_segs), reps)
-            pre, pre_cpu = _median_s(step(pre_ids, pre_segs), prefill_reps, warmup=False)
-            per[f] = (dec, dec_cpu, pre, pre_cpu, cache.nbytes()["c4_index"])
+            dec, dec_user, _ = _median_s(step(dec_ids, dec_segs), reps)
+            pre, pre_user, pre_sys = _median_s(step(pre_ids, pre_segs), prefill_reps, warmup=False)
+            per[f] = (dec, dec_user, pre, pre_user, pre_sys, cache.nbytes()["c4_index"])
             log(
-                f"tiny L {L} freq {f}: decode {dec * 1e3:.1f} ms, prefill {chunk / pre:.0f} tok/s (cpu {pre_cpu:.2f} s)"
+                f"tiny L {L} freq {f}: decode {dec * 1e3:.1f} ms (user cpu {dec_user * 1e3:.1f}), prefill "
+                f"{chunk / pre:.0f} tok/s (cpu user {pre_user:.2f} s, sys {pre_sys:.2f} s)"
             )
             del cache
-        d1, dc1, p1, pc1, _ = per[1]
+        d1, du1, p1, pu1, _, _ = per[1]
         rows.append(
             {
                 "context": L,
@@ -232,16 +246,17 @@ def run_tiny(ckpt: str, freqs, contexts, batch: int, chunk: int, reps: int, pref
                         "index_topk_freq": f,
                         "decode_step_ms": round(d * 1e3, 3),
                         "decode_ratio_to_freq1": round(d / d1, 4),
-                        "decode_cpu_ms": round(dc * 1e3, 3),
-                        "decode_cpu_ratio_to_freq1": round(dc / dc1, 4),
+                        "decode_user_cpu_ms": round(du * 1e3, 3),
+                        "decode_user_cpu_ratio_to_freq1": round(du / du1, 4),
                         "prefill_s": round(p, 3),
                         "prefill_tok_s": round(chunk / p, 1),
                         "prefill_tok_s_ratio_to_freq1": round(p1 / p, 4),
-                        "prefill_cpu_s": round(pc, 3),
-                        "prefill_cpu_ratio_to_freq1": round(pc / pc1, 4),
+                        "prefill_user_cpu_s": round(pu, 3),
+                        "prefill_sys_cpu_s": round(ps, 3),
+                        "prefill_user_cpu_ratio_to_freq1": round(pu / pu1, 4),
                         "c4_index_cache_bytes": ix,
                     }
-                    for f, (d, dc, p, pc, ix) in per.items()
+                    for f, (d, du, p, pu, ps, ix) in per.items()
                 ],
             }
         )
@@ -256,9 +271,10 @@ def run_tiny(ckpt: str, freqs, contexts, batch: int, chunk: int, reps: int, pref
         "prefill_chunk": chunk,
         "reps": reps,
         "prefill_reps": prefill_reps,
-        "cpu": "CPU seconds of this process (time.process_time: user + system, all threads) over the same calls: "
-        "unlike wall time, not inflated by other processes on a shared machine; system time is mostly page faults "
-        "of the indexer's large temporaries at long contexts",
+        "ratios": "decode and CPU: time at freq N / time at freq 1; prefill_tok_s: tok/s at freq N / at freq 1",
+        "cpu": "this process's user and system CPU seconds over the same calls (getrusage, all threads): user time "
+        "is the arithmetic, which other load on a shared machine does not inflate; system time is mostly page "
+        "faults of the large temporaries (the indexer's scores at long contexts) and varies with memory pressure",
         "results": rows,
     }
 
@@ -292,7 +308,7 @@ def run_quality(ds_ckpt: str, nx_ckpt: str, freqs, n: int, prompt_len: int, new_
     ref_model = load_at_freq(ds_ckpt, 1)
     gamma = ref_model.cfg.dspark_block_size
     ref_lp = _teacher_forced(ref_model, prompts)
-    total = max(new_tokens, spec_new) + gamma + 1  # the spec's last round may overshoot: check it too
+    total = max(new_tokens, spec_new + gamma)  # a spec's last round may overshoot by gamma: checked too
     max_len = prompt_len + total + gamma + 2
     ref_out = InProcess(nx_ckpt, ref_model).nospec(prompts, total, total, max_len)["outputs"]
     del ref_model
@@ -302,7 +318,8 @@ def run_quality(ds_ckpt: str, nx_ckpt: str, freqs, n: int, prompt_len: int, new_
         lp = _teacher_forced(trunk, prompts)
         kl = torch.cat([(a.exp() * (a - b)).sum(-1) for a, b in zip(ref_lp, lp)])
         top1 = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref_lp, lp)])
-        out = InProcess(nx_ckpt, trunk).nospec(prompts, total, total, max_len)["outputs"]
+        nx = InProcess(nx_ckpt, trunk)  # the shared trunk (nextn/ links dspark/'s shard) with the NextN block
+        out = nx.nospec(prompts, total, total, max_len)["outputs"]
         firsts = [_first_divergence(a[:new_tokens], b[:new_tokens]) for a, b in zip(ref_out, out)]
         equal = sum(x == y for a, b in zip(ref_out, out) for x, y in zip(a[:new_tokens], b[:new_tokens]))
         row = {
@@ -323,7 +340,6 @@ def run_quality(ds_ckpt: str, nx_ckpt: str, freqs, n: int, prompt_len: int, new_
             },
         }
         # speculative decoding with this target: NextN chain and DSpark static, gamma steps
-        nx = InProcess(nx_ckpt, load_at_freq(nx_ckpt, f))
         s = nx.spec(prompts, (1, gamma, gamma + 1), drafter_factory("nextn", None), spec_new, max_len)
         spec = {
             "nextn": {

@@ -37,9 +37,9 @@ ARGS = [
     "--prompt-len",
     "48",  # positions 35.. see more than index_topk (8) entries: selections can differ
     "--new-tokens",
-    "6",
+    "4",
     "--spec-new-tokens",
-    "5",
+    "4",
 ]
 
 
@@ -83,7 +83,9 @@ def test_op_scales_one_layer_by_the_computing_layers(doc):
     for f, want in ((1, 21), (2, 11), (4, 6)):
         assert steps[f]["computing_layers"] == want == len(_computing(flash["compress_ratios"], 43, f))
         assert steps[f]["ratio_to_freq1"] == round(want / 21, 4)
-        assert steps[f]["indexer_ms"] == pytest.approx(row["layer_select_ms"] * want, abs=0.01)
+        assert steps[f]["indexer_ms"] == pytest.approx(
+            row["layer_select_ms"] * want, abs=5e-4 * (want + 1)
+        )  # 3-decimal rounding
 
 
 def test_tiny_rows_and_indexer_store(doc):
@@ -93,7 +95,8 @@ def test_tiny_rows_and_indexer_store(doc):
     rows = _by_freq(row["by_freq"])
     assert set(rows) == {1, 2, 4}
     for f, r in rows.items():
-        assert r["decode_step_ms"] > 0 and r["prefill_tok_s"] > 0 and r["prefill_cpu_s"] > 0
+        assert r["decode_step_ms"] > 0 and r["prefill_tok_s"] > 0
+        assert r["decode_user_cpu_ms"] >= 0 and r["prefill_user_cpu_s"] >= 0 and r["prefill_sys_cpu_s"] >= 0
         # every computing layer keeps one indexer store of the same size, the others none
         assert r["c4_index_cache_bytes"] * 6 == rows[1]["c4_index_cache_bytes"] * tiny["computing_layers"][str(f)]
     assert rows[1]["decode_ratio_to_freq1"] == rows[1]["prefill_tok_s_ratio_to_freq1"] == 1.0
@@ -106,15 +109,15 @@ def test_quality_freq1_is_exact_and_freq2_differs(doc):
     assert one["teacher_forced"]["positions"] == 2 * 48
     assert one["teacher_forced"]["kl_mean"] == 0.0 and one["teacher_forced"]["kl_max"] == 0.0
     assert one["teacher_forced"]["top1_agreement"] == 1.0
-    assert one["greedy"]["first_divergence"] == [6, 6] and one["greedy"]["prefix_agreement"] == 1.0
+    assert one["greedy"]["first_divergence"] == [4, 4] and one["greedy"]["prefix_agreement"] == 1.0
     assert one["greedy"]["identical_prompts"] == 2
     # a reused selection changes the later positions' distributions (the tiny indexer is untrained)
     assert two["teacher_forced"]["kl_max"] > 0
     assert 0 <= two["teacher_forced"]["kl_mean"] <= two["teacher_forced"]["kl_max"]
     for r in rows.values():
         g = r["greedy"]
-        assert all(0 <= d <= 6 for d in g["first_divergence"])
-        assert g["prefix_agreement"] == round(sum(g["first_divergence"]) / 12, 4) <= g["positionwise_equal"]
+        assert all(0 <= d <= 4 for d in g["first_divergence"])
+        assert g["prefix_agreement"] == round(sum(g["first_divergence"]) / 8, 4) <= g["positionwise_equal"]
         for algo in ("nextn", "dspark"):
             s = r["speculative"][algo]
             assert s["lossless"] is True, (r["index_topk_freq"], algo)
