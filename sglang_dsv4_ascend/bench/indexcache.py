@@ -4,7 +4,7 @@ trained tiny model's outputs. Ratios are to freq 1 measured in the same run.
 
     python -m sglang_dsv4_ascend.bench indexcache [--freqs 1,2,4] [--parts op,tiny,quality]
         [--op-contexts 4096,16384,65536] [--op-rows 8] [--op-reps 5]
-        [--contexts 4096,16384,65536] [--decode-batch 4] [--chunk 1024] [--reps 3] [--prefill-reps 1]
+        [--contexts 4096,16384,65536] [--decode-batch 4] [--chunk 1024] [--reps 5] [--prefill-reps 1]
         [--prompts 8] [--prompt-len 128] [--new-tokens 64] [--spec-new-tokens 32] [--threads N]
 
 `op`: one CSA layer's top-k selection at V4-Flash indexer shapes (bench/cache.py CONFIGS["flash"]:
@@ -30,7 +30,9 @@ of `--chunk` tokens of one request at start L - chunk, same cache, `--prefill-re
 (median) after a warm-up forward of each model; tok/s = chunk / wall time. Each time is reported
 as wall time and as this process's user CPU time over the same calls (getrusage), which other load
 on a shared machine does not inflate (prefill: system time too, mostly page faults of the large
-temporaries). The freqs are interleaved at each L, so load drift hits them alike.
+temporaries). The freqs are interleaved at each L, so load drift hits them alike, and the one
+that runs first rotates with L. On a shared machine wall and system times of one run move by tens
+of percent; the user CPU time is the figure to compare.
 
 `quality`: the trained tiny model, bf16 weights run in fp32, `--prompts` prompts of exactly
 `--prompt-len` tokens from the packaged sets (spec_common.prompt_ids: gsm8k / humaneval /
@@ -216,13 +218,15 @@ def run_tiny(ckpt: str, freqs, contexts, batch: int, chunk: int, reps: int, pref
             m(torch.randint(0, V, (64,), generator=g), torch.arange(64), [Segment(0, 0, 64)], m.make_cache(1, 64))
         )
     rows = []
-    for L in contexts:
+    for n, L in enumerate(contexts):
         dec_ids = torch.randint(0, V, (batch,), generator=g)
         pre_ids = torch.randint(0, V, (chunk,), generator=g)
         dec_segs = [Segment(s, L, 1) for s in range(batch)]
         pre_segs = [Segment(0, L - chunk, chunk)]
         per = {}
-        for f, m in models.items():
+        order = freqs[n % len(freqs) :] + freqs[: n % len(freqs)]  # no freq always runs first
+        for f in order:
+            m = models[f]
             cache = m.make_cache(batch, L + 1)
 
             def step(ids, segs, m=m, cache=cache):
@@ -256,7 +260,7 @@ def run_tiny(ckpt: str, freqs, contexts, batch: int, chunk: int, reps: int, pref
                         "prefill_user_cpu_ratio_to_freq1": round(pu / pu1, 4),
                         "c4_index_cache_bytes": ix,
                     }
-                    for f, (d, du, p, pu, ps, ix) in per.items()
+                    for f, (d, du, p, pu, ps, ix) in sorted(per.items())
                 ],
             }
         )
@@ -418,7 +422,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,16384,65536", help="tiny model: context lengths L")
     ap.add_argument("--decode-batch", type=int, default=4, help="tiny model: one-token segments per decode step")
     ap.add_argument("--chunk", type=int, default=1024, help="tiny model: prefill chunk tokens (at start L - chunk)")
-    ap.add_argument("--reps", type=int, default=3, help="tiny model: decode reps (median, after a warm-up)")
+    ap.add_argument("--reps", type=int, default=5, help="tiny model: decode reps (median, after a warm-up)")
     ap.add_argument("--prefill-reps", type=int, default=1, help="tiny model: prefill reps (median)")
     ap.add_argument("--prompts", type=int, default=8, help="quality: prompts")
     ap.add_argument("--prompt-len", type=int, default=128, help="quality: tokens per prompt")
