@@ -186,16 +186,6 @@ def speculative_problems(cfg) -> list[str]:
     )
     dspark = algo == DSPARK_ALGO
     worker = "DSpark" if dspark else "NextN"
-    # The W8A8 drafts load (quantization/w8a8.DraftView) and serve, but the W8A8 target's forward
-    # is not yet invariant to the rows beside it (measured without speculation: a request run beside
-    # three others parts from its alone output at a near-tie), so a verify batch is not guaranteed
-    # to give the no-speculation tokens; refused until it is.
-    need(
-        cfg.quantization != QUANT_METHOD,
-        f"{flag} with --quantization {QUANT_METHOD}: not lossless yet (the W8A8 forward is not yet "
-        "invariant to the rows verified beside a request, so a near-tie can resolve differently "
-        "than without speculation); serve the float checkpoint for speculation",
-    )
     for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
         value = getattr(cfg, name, 1.0)
         need(

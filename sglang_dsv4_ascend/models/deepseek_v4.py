@@ -37,7 +37,10 @@ from .weights import iter_checkpoint, load_released_weights
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 # which draft tensors ModelSlim's V4 recipe quantizes (quantization/w8a8.py V4_RECIPE)
-DESCRIPTION_NOTE = "attention wq_a / wq_b / wkv, experts, DSpark main_proj; the rest float"
+DESCRIPTION_NOTE = {
+    "dspark": "attention wq_a / wq_b / wkv, experts, main_proj; the rest float",
+    "nextn": "attention wq_a / wq_b / wkv, experts; the rest float",
+}
 
 
 def _weight_files(model_path) -> dict | str | None:
@@ -108,7 +111,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 "dsv4_ascend %s draft: %s",
                 kind,
                 f"W8A8 ({counts.get('W8A8Linear', 0)} linears, {counts.get('W8A8Experts', 0)} routed-expert layers; "
-                f"{DESCRIPTION_NOTE})"
+                f"{DESCRIPTION_NOTE[kind]})"
                 if counts
                 else "float (the checkpoint's quant_model_description.json quantizes no mtp.* tensor)",
             )

@@ -26,6 +26,26 @@ _pool: list = []  # the session's ServerPool, once a test asked for it
 
 
 @pytest.fixture(scope="session")
+def tiny_w8a8(ckpt_root):
+    """(kind "dspark" | "nextn", float_draft) -> the shipped trained tiny model quantized by the tool
+    (W8A8 dynamic; the draft too unless float_draft), written once per test process."""
+    import sglang_dsv4_ascend as pkg
+    from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
+
+    dirs = {}
+
+    def get(kind: str = "dspark", float_draft: bool = False) -> str:
+        if (kind, float_draft) not in dirs:
+            src = pkg.TINY_MODEL_PATH if kind == "dspark" else pkg.TINY_NEXTN_MODEL_PATH
+            out = os.path.join(ckpt_root, f"tiny_w8a8_{kind}{'_float_draft' if float_draft else ''}")
+            quantize_checkpoint(src, out, progress=False, float_draft=float_draft)
+            dirs[kind, float_draft] = out
+        return dirs[kind, float_draft]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def server_pool():
     pool = ServerPool()
     _pool.append(pool)
@@ -94,7 +114,8 @@ SCHEDULE = [
     # DeepSeek-V4 across ranks (multi-process servers): the random checkpoint's layouts, the random
     # W8A8 checkpoint's one-rank server first
     ("ranks", "test_w8a8_serving.py"),
-    ("ranks", "test_parallel_serving.py::test_w8a8"),
+    ("ranks", "test_parallel_serving.py::test_w8a8_on"),
+    ("ranks", "test_parallel_serving.py::test_w8a8_with"),
     ("ranks", "test_parallel_serving.py::test_tp2_and_ep2"),
     ("ranks", "test_parallel_serving.py::test_data_parallel"),
     ("ranks", "test_parallel_serving.py::test_a_layout"),
@@ -120,6 +141,9 @@ SCHEDULE = [
         )
     ],
     ("spec", "test_bench_serve.py"),  # DSpark adaptive
+    # the trained model's W8A8 version: its no-speculation server first, then with speculation
+    ("spec", "test_trained_tiny.py::test_w8a8_version_serves"),
+    ("spec", "test_w8a8_speculation.py"),
     ("spec", "test_trained_tiny.py"),
     ("spec", "test_indexcache_serving.py"),  # IndexCache servers of their own (freq 2)
     # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals

@@ -93,15 +93,11 @@ def test_greedy_equals_no_speculation_and_drafts_are_accepted(servers, prompts, 
     assert mean >= FLOORS[method], (method, rates)
 
 
-def test_w8a8_version_serves(servers, tmp_path, prompts, reference):
+def test_w8a8_version_serves(servers, tiny_w8a8, prompts, reference):
     """The quantize tool's W8A8 version of the shipped model serves and, on the first tokens of a
     greedy completion, agrees with the fp32 model (INT8 weights and activations move the logits a
-    little, so the tail may part ways)."""
-    from sglang_dsv4_ascend.tools.quantize_w8a8 import quantize_checkpoint
-
-    out = str(tmp_path / "w8a8")
-    quantize_checkpoint(pkg.TINY_MODEL_PATH, out, progress=False)
-    srv = servers.get(out, *POOL, "--quantization", "w8a8_ascend")
+    little, so the tail may part ways). Its server is test_w8a8_speculation.py's reference."""
+    srv = servers.get(tiny_w8a8("dspark"), *POOL, "--quantization", "w8a8_ascend")
     got = srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"]
     assert len(got) == N_NEW
     agree = next((i for i, (a, b) in enumerate(zip(got, reference[0])) if a != b), N_NEW)
