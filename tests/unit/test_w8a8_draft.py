@@ -58,13 +58,14 @@ def _stored(path, prefix):
     return out
 
 
-def _draft(path, kind, desc=None, drop=None):
+def _draft(path, kind, desc=None, drop=None, replace=None):
     """(the draft module, its DraftView) loaded from a W8A8 checkpoint as the server adapter does
-    (without the tensor `drop`)."""
+    (without the tensor `drop`; `replace`: {name: tensor} read instead of the file's)."""
     with open(f"{path}/config.json") as f:
         cfg = DSV4Config.from_hf(json.load(f))
     desc = read_quant_description(path) if desc is None else desc
     items = [it for it in iter_checkpoint(path, skip=lambda n: not n.startswith("mtp.")) if it[0] != drop]
+    items = [(it[0], (replace or {}).get(it[0], it[1]), *it[2:]) for it in items]
     if kind == "dspark":
         draft = DSparkDraft(cfg)
         if not any(it[0] == CONFIDENCE_BIAS for it in items):
@@ -107,6 +108,50 @@ def test_a_draft_linear_computes_from_the_stored_int8_tensors(quantized):
     want = (xq.double() @ w.double().T) * s_x.double()[:, None] * s_w.double()[None, :]
     got = view.get_submodule(name)(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _oracle_gap(view, path, name):
+    """max |draft linear - the int64 oracle from the stored int8 weight and scale| on random rows."""
+    stored = _stored(path, name + ".")
+    w, s_w = stored[name + ".weight"], stored[name + ".weight_scale"].float().flatten()
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1))
+    s_x = x.abs().amax(dim=1) / 127
+    xq = torch.round(x / s_x[:, None]).clamp(-128, 127)
+    want = (xq.double() @ w.double().T) * s_x.double()[:, None] * s_w.double()[None, :]
+    return (view.get_submodule(name)(x).double() - want).abs().max().item()
+
+
+def test_a_draft_layer_given_the_targets_scale_is_caught(quantized):
+    """The same-shaped scale of the target's wq_a loaded into a draft stage's wq_a loads (shapes
+    agree) but computes away from the oracle of the draft's own stored tensors."""
+    path, name = quantized("dspark"), "mtp.1.attn.wq_a"
+    target_scale = _stored(path, "layers.2.attn.wq_a.weight_scale")["layers.2.attn.wq_a.weight_scale"]
+    _, good = _draft(path, "dspark")
+    _, bad = _draft(path, "dspark", replace={name + ".weight_scale": target_scale})
+    assert _oracle_gap(good, path, name) < 1e-5 < _oracle_gap(bad, path, name)
+
+
+def test_a_draft_tensor_without_its_description_entry_is_named(quantized):
+    path = quantized("dspark")
+    desc = {k: v for k, v in read_quant_description(path).items() if not k.startswith("mtp.1.attn.wq_a.")}
+    with pytest.raises(W8A8Error, match=r"mtp\.1\.attn\.wq_a"):
+        _draft(path, "dspark", desc)
+
+
+def test_a_static_checkpoint_keeps_its_draft_dynamic(tiny_checkpoint, tmp_path):
+    """--scheme static calibrates the target's dense layers (W8A8, static activation scales); the
+    draft is not run during calibration, so its layers stay W8A8_DYNAMIC, and load and compute as
+    such (the same int64 oracle)."""
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"turns": [f"calibration prompt {i} " * 8]}) for i in range(4)))
+    out = str(tmp_path / "static")
+    quantize_checkpoint(
+        tiny_checkpoint("flash", "dspark"), out, "static", calib=str(calib), num_calib=4, progress=False
+    )
+    desc = read_quant_description(out)
+    assert desc["layers.2.attn.wq_a.weight"] == "W8A8" and desc["mtp.1.attn.wq_a.weight"] == "W8A8_DYNAMIC"
+    _, view = _draft(out, "dspark")
+    assert _oracle_gap(view, out, "mtp.1.attn.wq_a") < 1e-5
 
 
 def test_a_float_draft_beside_a_w8a8_target(quantized):
