@@ -17,7 +17,7 @@ from torch import nn
 from .. import ops
 from ..distributed.layout import Layout
 from ..ops.reference import pad_rows
-from . import Linear
+from . import SMALL_M, Linear
 
 
 class Expert(nn.Module):
@@ -120,12 +120,29 @@ class MoE(nn.Module):
         counts = torch.zeros(E + 1, dtype=torch.int64, device=y.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts[:E], 0).to(torch.int32)
         x = y[token]
+        pos = None
+        if x.dtype == torch.float32:
+            # An expert's 1-3 fp32 rows take the small-M kernels (layers.Linear): each group is
+            # padded to >= SMALL_M rows, so a token's expert output has the same bits whatever
+            # else the batch routes there. Static size (every copy + SMALL_M - 1 per expert + one
+            # row for other ranks' copies); the padding rows are zeros and never read back.
+            c = counts[:E]
+            padded = torch.where(c > 0, c.clamp(min=SMALL_M), 0)
+            key = flat[order].clamp(max=E - 1)
+            rank = torch.arange(key.numel(), device=y.device) - (torch.cumsum(c, 0) - c)[key]
+            size = key.numel() + (SMALL_M - 1) * E + 1
+            pos = torch.where(flat[order] < E, (torch.cumsum(padded, 0) - padded)[key] + rank, size - 1)
+            x = x.new_zeros(size, x.shape[1]).index_copy_(0, pos, x)
+            offs = torch.cumsum(padded, 0).to(torch.int32)
         h = ops.swiglu_clamped(
             torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
             torch._grouped_mm(x, w3.transpose(1, 2), offs=offs),
             self.limit,
         )
-        routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float() * weights.flatten()[order, None]
+        routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        if pos is not None:
+            routed = routed[pos]
+        routed = routed.float() * weights.flatten()[order, None]
         if self.layout.sharded:
             routed = torch.where(here[order, None], routed, 0.0)
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, token, routed)

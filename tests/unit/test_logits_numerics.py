@@ -220,9 +220,9 @@ def w8a8_model(w8a8_checkpoint):
     return load_w8a8_model_from_dir(w8a8_checkpoint("flash", "nextn"), dtype=torch.float32)
 
 
-def _w8a8_alone_and_beside(m):
+def _alone_and_beside(m):
     """Request 0's one-row decode and 4-row verify logits alone and beside three other requests
-    (their decode or verify rows in the same forward), W8A8 with fp32 activations."""
+    (their decode or verify rows in the same forward)."""
     V, g = m.cfg.vocab_size, torch.Generator().manual_seed(5)
     lens = (150, 90, 201, 60)
     seqs = [torch.randint(0, V, (n + 8,), generator=g) for n in lens]
@@ -247,8 +247,21 @@ def test_w8a8_rows_are_computed_alike_alone_and_beside_others(w8a8_model, monkey
     (the small-M kernels) the one-row decode differs: caught."""
     from sglang_dsv4_ascend.layers import Linear
 
-    for alone, beside in _w8a8_alone_and_beside(w8a8_model):
+    for alone, beside in _alone_and_beside(w8a8_model):
         assert torch.equal(alone, beside)
     monkeypatch.setattr(Linear, "forward", torch.nn.Linear.forward)
-    (alone, beside), _ = _w8a8_alone_and_beside(w8a8_model)
+    (alone, beside), _ = _alone_and_beside(w8a8_model)
     assert not torch.equal(alone, beside)
+
+
+def test_fp32_rows_are_computed_alike_alone_and_beside_others(dsv4_model, monkeypatch):
+    """The float model in fp32 too: the grouped MoE pads each expert's rows past the small-M
+    kernels (an expert that one token routes to alone, or with others, gives that token the same
+    bits). Without the padding (SMALL_M 1) the one-row decode differs: caught."""
+    import sglang_dsv4_ascend.layers.moe as moe
+
+    m = dsv4_model("flash")
+    for alone, beside in _alone_and_beside(m):
+        assert torch.equal(alone, beside)
+    monkeypatch.setattr(moe, "SMALL_M", 1)
+    assert any(not torch.equal(a, b) for a, b in _alone_and_beside(m))
