@@ -4,6 +4,8 @@ trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH), every method side
     python -m sglang_dsv4_ascend.bench headline [--methods nospec,nextn_chain,...]
         [--datasets gsm8k,humaneval,mt-bench] [--concurrency 1,8,16] [--prompts-per-level 4]
         [--max-tokens 64] [--out-dir examples/results] [--no-plot]
+        [--quant float,w8a8-dynamic,w8a8-dynamic-float-draft,w8a8-static,w8a8-static-float-draft]
+        [--zygote]
 
 Per method (METHODS: no speculation; NextN chain, tree topk 2 and 4; DSpark static and adaptive
 verify) one server is started (fp32, --max-total-tokens 32768), warmed up with one untimed
@@ -21,11 +23,22 @@ Writes OUT_DIR/headline.json (machine, versions, configuration, every level's be
 summary and the ratios), and with matplotlib OUT_DIR/acceptance_by_position.png (conditional
 acceptance per draft position by method, pooled over datasets and levels) and
 OUT_DIR/throughput.png (output tok/s and its ratio to no-spec by method and concurrency).
+
+`--quant`: the same methods on W8A8 versions of the model too (bench/headline_quant.py: which
+versions, how they are written, each one's no-spec baseline and the draft-quantization figures),
+one server per version and method, keyed "VERSION/METHOD"; unless given, --methods
+nospec,dspark_adaptive,nextn_chain --datasets humaneval --concurrency 1,4 --max-tokens 48.
+Writes OUT_DIR/headline_w8a8.json (and w8a8_*.png), never the default run's files.
+
+`--zygote`: servers are forked from one launcher that imported SGLang once (tools/zygote.py:
+what that changes), which saves most of each start (~30 s of imports on a 2-core machine); the
+timed levels run in the forked servers as in spawned ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,7 +51,7 @@ import sglang_dsv4_ascend as pkg
 
 from .. import settings
 from ..data import PROMPT_SETS, load_prompts
-from . import serve
+from . import headline_quant, serve
 
 POOL = ("--max-total-tokens", "32768")
 _NEXTN = ("--speculative-algorithm", "nextn", "--speculative-num-steps", "3")
@@ -126,13 +139,18 @@ def _level(url, model, prompts, c, n, max_tokens) -> dict:
     return lv
 
 
-def run_method(name, datasets, levels, per_level, max_tokens) -> dict:
+def run_method(name, datasets, levels, per_level, max_tokens, path=None, extra_flags=(), label=None) -> dict:
+    """One server for METHODS[name] (on `path` instead of its checkpoint, with `extra_flags` after
+    its own when given), warmed up, then every dataset at every concurrency."""
     from ..tools.server import SGLangServer
 
-    path, env, flags = METHODS[name]
+    own_path, env, flags = METHODS[name]
+    path, flags = path or own_path, tuple(flags) + tuple(extra_flags)
     out = {"checkpoint": os.path.relpath(path, pkg.TINY_MODEL_DIR), "env": env, "flags": list(flags), "levels": []}
     with SGLangServer(path, *POOL, *flags, env=env, startup_timeout=300) as srv:
-        print(f"[headline] {name}: server up ({' '.join(flags) or 'no speculation'})", file=sys.stderr)
+        print(f"[headline] {label or name}: server up ({' '.join(flags) or 'no speculation'})", file=sys.stderr)
+        if extra_flags or label:
+            out["launched_by"] = srv.launched_by
         model = serve.first_model(srv.url, 30)
         warm = load_prompts(datasets[0], None, max_chars=None)
         _level(srv.url, model, warm, max(levels), max(levels), 16)  # untimed: first-run compilation
@@ -145,18 +163,25 @@ def run_method(name, datasets, levels, per_level, max_tokens) -> dict:
 
 
 def ratios(results: dict) -> list:
-    base = (
-        {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in results["nospec"]["levels"]}
-        if "nospec" in results
-        else {}
-    )
+    """A row per result and level; tok_s_ratio against the result named by its "baseline" (default
+    "nospec") at the same dataset and concurrency."""
+
+    def base(name):
+        r = results.get(name)
+        return {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in r["levels"]} if r else {}
+
+    bases = {}
     rows = []
     for name, r in results.items():
+        b_name = r.get("baseline", "nospec")
+        if b_name not in bases:
+            bases[b_name] = base(b_name)
         for lv in r["levels"]:
-            b = base.get((lv["dataset"], lv["concurrency"]))
+            b = bases[b_name].get((lv["dataset"], lv["concurrency"]))
             rows.append(
                 {
                     "method": name,
+                    **({"quant": r["quant"], "spec_method": r["method"]} if "quant" in r else {}),
                     "dataset": lv["dataset"],
                     "concurrency": lv["concurrency"],
                     "output_tok_per_s": lv["output_tok_per_s"],
@@ -179,13 +204,13 @@ def pooled_acceptance(levels) -> list | None:
     return serve.acceptance(hist, max(lv["draft_positions"] or 0 for lv in levels))
 
 
-def plot(report, out_dir) -> list:
+def plot(report, out_dir, prefix="") -> list:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = [os.path.join(out_dir, "acceptance_by_position.png"), os.path.join(out_dir, "throughput.png")]
+    paths = [os.path.join(out_dir, f"{prefix}{n}.png") for n in ("acceptance_by_position", "throughput")]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, acc in report["acceptance_by_position"].items():
         if acc:
@@ -238,24 +263,56 @@ def _list(kind, allowed=None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_dsv4_ascend.bench headline", description=__doc__.split("\n")[0])
-    ap.add_argument("--methods", type=_list(str, METHODS), default=list(METHODS))
-    ap.add_argument("--datasets", type=_list(str, PROMPT_SETS), default=list(PROMPT_SETS))
-    ap.add_argument("--concurrency", type=_list(int), default=[1, 8, 16])
-    ap.add_argument("--prompts-per-level", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--methods", type=_list(str, METHODS), default=None, help="default: every method")
+    ap.add_argument("--datasets", type=_list(str, PROMPT_SETS), default=None, help="default: every set")
+    ap.add_argument("--concurrency", type=_list(int), default=None, help="default: 1,8,16")
+    ap.add_argument("--prompts-per-level", type=int, default=None, help="default: 4")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: 64")
     ap.add_argument("--out-dir", default=os.path.join("examples", "results"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--quant",
+        type=_list(str, headline_quant.QUANTS),
+        default=None,
+        help="W8A8 versions to run the methods on too (bench/headline_quant.py); other defaults then: "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ','.join(map(str, v))}"
+            for k, v in headline_quant.DEFAULTS.items()
+        ),
+    )
+    ap.add_argument("--zygote", action="store_true", help="fork the servers from one pre-imported launcher")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    defaults = (
+        headline_quant.DEFAULTS
+        if a.quant
+        else {
+            "methods": list(METHODS),
+            "datasets": list(PROMPT_SETS),
+            "concurrency": [1, 8, 16],
+            "prompts_per_level": 4,
+            "max_tokens": 64,
+        }
+    )
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     if any(c <= 0 for c in a.concurrency) or a.prompts_per_level <= 0 or a.max_tokens <= 0:
         ap.error("--concurrency, --prompts-per-level and --max-tokens must be positive")
     os.makedirs(a.out_dir, exist_ok=True)
     t0 = time.time()
-    results = {m: run_method(m, a.datasets, a.concurrency, a.prompts_per_level, a.max_tokens) for m in a.methods}
+    with _launcher(a.zygote):
+        if a.quant:
+            results, quant = run_quant(a)
+        else:
+            results = {
+                m: run_method(m, a.datasets, a.concurrency, a.prompts_per_level, a.max_tokens) for m in a.methods
+            }
+    config = {k: v for k, v in vars(a).items() if k not in ("no_plot", "quant", "zygote")}
+    config |= {"quant": a.quant, "zygote": a.zygote} if a.quant or a.zygote else {}
     report = {
         "bench": "headline",
         "environment": environment(),
-        "config": {k: v for k, v in vars(a).items() if k != "no_plot"}
-        | {"model": "TINY_MODEL_PATH (trained)", "dtype": "float32", "greedy": True},
+        "config": config | {"model": "TINY_MODEL_PATH (trained)", "dtype": "float32", "greedy": True},
         "description": {
             "serve": serve.DESCRIPTION,
             "tok_s_ratio": "output tok/s / no-spec's, same dataset and concurrency, same run",
@@ -265,20 +322,85 @@ def main(argv=None) -> int:
         "results": results,
         "seconds": round(time.time() - t0, 1),
     }
+    if a.quant:
+        report["environment"]["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS")
+        report["description"] |= headline_quant.DESCRIPTION
+        report["quant"] = quant
+        report["accept_length_pooled"] = headline_quant.accept_length_table(results)
+        report["draft_quantization_effect"] = headline_quant.draft_effect(results)
     report["summary"] = ratios(results)
-    report["acceptance_by_position"] = {m: pooled_acceptance(r["levels"]) for m, r in results.items() if m != "nospec"}
+    report["acceptance_by_position"] = {
+        m: pooled_acceptance(r["levels"]) for m, r in results.items() if r.get("method", m) != "nospec"
+    }
+    prefix = "w8a8_" if a.quant else ""
     if not a.no_plot:
         try:
-            report["plots"] = plot(report, a.out_dir)
+            report["plots"] = plot(report, a.out_dir, prefix)
         except ImportError:
             print("[headline] matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
-    path = os.path.join(a.out_dir, "headline.json")
+    path = os.path.join(a.out_dir, "headline_w8a8.json" if a.quant else "headline.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
     print(json.dumps(report["summary"], indent=1))
+    if a.quant:
+        print(json.dumps(report["draft_quantization_effect"], indent=1))
     print(f"[headline] wrote {path}", file=sys.stderr)
     return 0 if not any(r["errors"] for r in report["summary"]) else 1
+
+
+@contextlib.contextmanager
+def _launcher(zygote: bool):
+    """With `zygote` (and none named by the environment already): one pre-imported launcher for
+    every server of the run (tools/zygote.py), stopped at the end."""
+    if not zygote or settings.ZYGOTE.is_set():
+        yield
+        return
+    import tempfile
+
+    from ..tools import zygote as zg
+
+    d = tempfile.mkdtemp(prefix="sglang-dsv4-zygote-")
+    proc = zg.start(os.path.join(d, "sock"), os.path.join(d, "zygote.log"))
+    os.environ[settings.ZYGOTE.name] = os.path.join(d, "sock")
+    try:
+        yield
+    finally:
+        del os.environ[settings.ZYGOTE.name]
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def run_quant(a) -> tuple:
+    """--quant: write the versions, then one server per (version, method) in plan order."""
+    import tempfile
+
+    hq = headline_quant
+    runs = hq.plan(a.quant, a.methods)
+    kinds = sorted({hq.kind_of(m) for _, _, m, _ in runs})
+    with tempfile.TemporaryDirectory(prefix="headline-w8a8-") as d:
+        info = hq.checkpoints(a.quant, kinds, d)
+        for q, r in info.items():
+            print(f"[headline] {q}: draft {r['draft']}, trunk {r['trunk_sha256']}", file=sys.stderr)
+        results = {}
+        for key, q, m, base in runs:
+            kind, bq = hq.kind_of(m), base.split("/")[0]
+            flags = hq.QUANT_FLAGS if hq.QUANTS[q][0] else ()
+            r = run_method(
+                m, a.datasets, a.concurrency, a.prompts_per_level, a.max_tokens, info[q]["dirs"][kind], flags, key
+            )
+            results[key] = {
+                "quant": q,
+                "method": m,
+                "scheme": info[q]["scheme"],
+                "draft": None if m == "nospec" else info[q]["draft"][kind],
+                "checkpoint": os.path.relpath(hq.SOURCES[kind], pkg.TINY_MODEL_DIR)
+                + ("" if q == "float" else f" -> {q} ({info[q]['made_by']})"),
+                "baseline": base,
+                "baseline_same_trunk": info[q]["trunk_sha256"][kind] == info[bq]["trunk_sha256"]["dspark"],
+                **{k: v for k, v in r.items() if k != "checkpoint"},
+            }
+    return results, hq.record(info)
 
 
 if __name__ == "__main__":
