@@ -32,6 +32,9 @@ Draft quantization effect (`draft_quantization_effect`): per target scheme and m
 length with the W8A8 draft and with the float draft (same target), per dataset and concurrency
 (the server's spec_accept_length, mean over requests) and pooled over every verify round of the
 run (1 + accepted drafts per round, from the correct-drafts histograms), with the difference.
+Under DSpark adaptive verify the planner chooses how many drafts to verify from a cost model each
+server measures at startup, and a draft it leaves out counts as rejected, so that figure moves with
+the machine's load too; add dspark_static to --methods for the draft's acceptance alone.
 """
 
 from __future__ import annotations
@@ -282,5 +285,8 @@ DESCRIPTION = {
     "accept_length_pooled": "1 + accepted drafts per verify round over every round of the run "
     "(correct_drafts_histogram summed over levels)",
     "draft_quantization_effect": "accept length with the W8A8 draft vs the float draft, same target scheme "
-    "and method: per level (spec_accept_length, mean over requests) and pooled",
+    "and method: per level (spec_accept_length, mean over requests) and pooled. Under DSpark adaptive verify "
+    "it also moves with the planner's choices (drafts it leaves out count as rejected; its cost model is "
+    "measured at each server's startup, so it differs between servers on a loaded machine): dspark_static, "
+    "which verifies every draft, measures the draft alone",
 }
