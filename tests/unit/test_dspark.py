@@ -165,13 +165,32 @@ def test_block_is_bidirectional(tiny):
     assert not torch.allclose(U_bad[0, 0], U_ref[0], atol=1e-3)
 
 
+def _binned_chi2(samples: torch.Tensor, p: torch.Tensor, nbins: int = 20) -> tuple:
+    """(chi-square, degrees of freedom) of token samples against p over `nbins` bins of about equal
+    mass (tokens ranked by p): a flat 1024-token distribution leaves no single token with enough
+    expected counts."""
+    p = p.double()
+    order = torch.argsort(p, descending=True, stable=True)
+    before = torch.cumsum(p[order], 0) - p[order]
+    bins = torch.empty_like(order)
+    bins[order] = (before * nbins).floor().long().clamp(max=nbins - 1)
+    counts = torch.bincount(bins[samples], minlength=nbins).double()
+    expected = torch.zeros(nbins, dtype=torch.float64).index_add_(0, bins, p) * samples.numel()
+    ok = expected > 0
+    return float(((counts - expected)[ok] ** 2 / expected[ok]).sum()), int(ok.sum()) - 1
+
+
 def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
-    """The drafter's sampled draft 1 is distributed as the q it reports (chi-square), and greedy
-    drafts are the argmax of z = U + Markov bias."""
+    """The drafter's sampled draft 1 is distributed as the q it reports (chi-square over 20 bins
+    of equal q mass), and greedy drafts are the argmax of z = U + Markov bias. The 1500 samples
+    come from 30 draft calls over 50 slots holding the same prompt: every row reports the same q,
+    and each row draws its own."""
+    from sglang_dsv4_ascend.batch import Segment
     from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
 
     trunk, draft = tiny
-    cache = trunk.make_cache(1, 128, 8)
+    n, calls = 50, 30
+    cache = trunk.make_cache(n, 128, 8)
     eng = types.SimpleNamespace(
         model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg),
         cache=cache,
@@ -181,28 +200,27 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
     )
     dr = DSparkDrafter(eng)
     prompt = list(range(3, 30))
-    from sglang_dsv4_ascend.batch import Segment
-
+    L = len(prompt)
+    segs = [Segment(s, 0, L) for s in range(n)]
     aux = {"layer_ids": dr.layer_ids}
-    trunk(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], cache, aux=aux)
-    dr.extend([Segment(0, 0, len(prompt))], None, aux, None, [])
-    g = dr.draft([0], [27], [5], None, None)
-    U, _ = draft.block(dr.ctx, [0], [27], torch.tensor([5]), 3, trunk.embed, trunk.compute_logits)
+    trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
+    dr.extend(segs, None, aux, None, [])
+    slots, starts, anchors = list(range(n)), [L] * n, [5] * n
+    g = dr.draft(slots, starts, anchors, None, None)
+    U, _ = draft.block(dr.ctx, [0], [L], torch.tensor([5]), 3, trunk.embed, trunk.compute_logits)
     z1 = U[0, 0] + draft.mtp[-1].markov_head.bias(torch.tensor([5]))[0]
-    assert g.trees[0].tokens[1] == int(z1.argmax()) and g.draft_probs is None
-    assert g.confidence.shape == (1, 3) and bool(((g.confidence > 0) & (g.confidence < 1)).all())
-    sp = [dict(temperature=3.0)]
-    draws = [dr.draft([0], [27], [5], None, sp) for _ in range(1500)]
+    assert g.draft_probs is None and all(t.tokens[1] == int(z1.argmax()) for t in g.trees)
+    assert g.confidence.shape == (n, 3) and bool(((g.confidence > 0) & (g.confidence < 1)).all())
+    sp = [dict(temperature=3.0)] * n
+    draws = [dr.draft(slots, starts, anchors, None, sp) for _ in range(calls)]
     q = draws[0].draft_probs[0][0]
-    torch.testing.assert_close(draws[-1].draft_probs[0][0], q)
-    counts = torch.bincount(torch.tensor([d.trees[0].tokens[1] for d in draws]), minlength=q.numel()).double()
-    expected = q.double() * len(draws)
-    big = expected >= 5
-    chi2 = float(
-        (((counts - expected) ** 2 / expected)[big]).sum()
-        + (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9)
-    )
-    dof = int(big.sum())
+    for d in (draws[0], draws[-1]):  # the same prompt in every slot: one q for every row, every call
+        torch.testing.assert_close(torch.stack([p[0] for p in d.draft_probs]), q.expand(n, -1))
+    firsts = [[t.tokens[1] for t in d.trees] for d in draws]
+    assert float(q.max()) < 0.5  # q is flat enough that one draw shared by all rows would show:
+    assert all(len(set(row)) > 1 for row in firsts)  # the rows of a call draw independently
+    chi2, dof = _binned_chi2(torch.tensor(firsts).flatten(), q)
+    assert dof >= 10
     assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
 
 
@@ -316,17 +334,7 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
         firsts.append(r.emitted[0][0])
         accepted += r.accept_lens[0] > 1
     assert accepted > 0.05 * len(firsts), accepted
-    # 20 bins of about equal target mass (tokens ranked by p): a flat 1024-token distribution
-    # leaves no single cell with enough expected counts
-    order = torch.argsort(p.double(), descending=True, stable=True)
-    before = torch.cumsum(p.double()[order], 0) - p.double()[order]
-    bins = torch.empty_like(order)
-    bins[order] = (before * 20).floor().long().clamp(max=19)
-    counts = torch.bincount(bins[torch.tensor(firsts)], minlength=20).double()
-    expected = torch.zeros(20, dtype=torch.float64).index_add_(0, bins, p.double()) * len(firsts)
-    ok = expected > 0
-    chi2 = float(((counts - expected)[ok] ** 2 / expected[ok]).sum())
-    dof = int(ok.sum()) - 1
+    chi2, dof = _binned_chi2(torch.tensor(firsts), p)
     assert dof >= 10
     assert (chi2 < dof + 6 * (2 * dof) ** 0.5) != wrong_q, (chi2, dof)
 
