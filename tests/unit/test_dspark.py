@@ -289,7 +289,10 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     first token distributed as the target's next-token distribution (chi-square over 20 bins),
     with drafts accepted in a good share of the rounds (else the test would prove nothing). The
     broken variant hands the accept rule a flattened q (not the distribution the drafts were
-    drawn from): caught."""
+    drawn from): caught. The 2400 samples come from 24 rounds of 100 requests in their own slots
+    with the same prompt and bonus token: each request's first token follows p whatever the others
+    draw (whether its draft 1 is verified depends on the lagged budget and the other requests'
+    draws, never on its own), so a round gives 100 independent samples."""
     from sglang_dsv4_ascend.speculative import engine as E
 
     if wrong_q:
@@ -306,33 +309,35 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     from sglang_dsv4_ascend.speculative.engine import SpecEngine
 
     trunk, draft = tiny
-    gamma, T = 2, 0.7
-    cache = trunk.make_cache(1, 128, gamma + 1)
+    gamma, T, n, rounds = 2, 0.7, 100, 24
+    cache = trunk.make_cache(n, 128, gamma + 1)
     model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
     eng = SpecEngine(
         model,
         cache,
         DSparkDrafter,
         torch.Generator().manual_seed(3),
-        planner=P.Planner(gamma, "adaptive", P.CostModel(0.01, 0.0, 0.001)),
+        # a verify costs 0.01 s per request: each request trades its rows as a lone one would
+        planner=P.Planner(gamma, "adaptive", P.CostModel(0.0, 0.01, 0.001)),
         gamma=gamma,
         topk=1,
         num_steps=gamma,
         num_draft_tokens=gamma + 1,
     )
     prompt = list(range(3, 30))
-    seg = [Segment(0, 0, len(prompt))]
-    aux = {"layer_ids": eng.drafter.layer_ids}
-    trunk(torch.tensor(prompt), torch.arange(len(prompt)), seg, cache, aux=aux)
-    eng.extend(seg, None, aux, None, [])
     L, anchor = len(prompt), 7
+    segs = [Segment(s, 0, L) for s in range(n)]  # n requests with the same prompt and bonus token
+    aux = {"layer_ids": eng.drafter.layer_ids}
+    trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
+    eng.extend(segs, None, aux, None, [])
     h = trunk(torch.tensor([anchor]), torch.tensor([L]), [Segment(0, L, 1)], cache, pending=[])
     p = target_probs(trunk.compute_logits(h), T, -1, 1.0, 0.0)[0]
+    slots, rids = list(range(n)), [f"req{s}" for s in range(n)]
     firsts, accepted = [], 0
-    for _ in range(600):  # every round restarts from the same committed state (writes are at >= L)
-        r = eng.round([0], [L], [anchor], [dict(temperature=T)], None, ["req"])
-        firsts.append(r.emitted[0][0])
-        accepted += r.accept_lens[0] > 1
+    for _ in range(rounds):  # every round restarts from the same committed state (writes are at >= L)
+        r = eng.round(slots, [L] * n, [anchor] * n, [dict(temperature=T)] * n, None, rids)
+        firsts += [e[0] for e in r.emitted]
+        accepted += sum(a > 1 for a in r.accept_lens)
     assert accepted > 0.05 * len(firsts), accepted
     chi2, dof = _binned_chi2(torch.tensor(firsts), p)
     assert dof >= 10
