@@ -207,10 +207,10 @@ from sglang_dsv4_ascend.batch import Segment
 torch.set_num_threads(2)
 model = load_model_from_dir(sys.argv[1])
 model.attention_impl = sys.argv[2]
-ctx, chunk = 65536, 8192
+ctx, chunk = 65536, 256
 cache = model.make_cache(1, ctx)
 g = torch.Generator().manual_seed(0)
-for t in cache.state_tensors().values():  # a 56K-token history without computing it
+for t in cache.state_tensors().values():  # the history before the chunk, without computing it
     t.copy_(torch.randn(t.shape, generator=g))
 start = ctx - chunk
 ids = torch.randint(0, 1024, (chunk,), generator=g)
@@ -219,19 +219,29 @@ t0 = time.time()
 model(ids, torch.arange(start, ctx), [Segment(0, start, chunk)], cache, pending=[])
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, time.time() - t0)
 """
-PEAK_BOUND = 1 << 30  # bytes above the process's peak before the forward
+PEAK_BOUND = 320 << 20  # bytes above the process's peak before the forward
 
 
-def test_peak_memory_of_an_8k_chunk_at_64k_context_is_bounded(tiny_ckpt):
-    """One 8192-token prefill chunk at a 64K context (16K CSA entries per query): the per-segment
-    indexer would build a [8192, 16 heads, 16384] fp32 score tensor (8.6 GB) several times over;
-    the batched one scores in bounded chunks with a running top-k and stays under 1 GiB."""
+def _peak_growth(ckpt: str, impl: str) -> tuple:
+    """(bytes the peak RSS grew by, seconds) of PEAK_SCRIPT's forward in a fresh process."""
     import subprocess
     import sys
 
-    r = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, tiny_ckpt("flash"), "batched"], capture_output=True, text=True, timeout=900
-    )
+    r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, ckpt, impl], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     peak, seconds = r.stdout.split()
-    assert int(peak) < PEAK_BOUND, f"peak grew by {int(peak) / 2**20:.0f} MiB in {float(seconds):.0f} s"
+    return int(peak), float(seconds)
+
+
+def test_peak_memory_of_a_prefill_chunk_at_64k_context_is_bounded(tiny_ckpt):
+    """A 256-token prefill chunk at a 64K context (16K CSA entries per query): the per-segment
+    indexer builds a [256, 16 heads, 16384] fp32 score tensor (256 MiB) several times over (about
+    600 MiB); the batched one scores in bounded chunks with a running top-k (SELECT_CHUNK_ELEMS)
+    and stays under 320 MiB (about 165 MiB; unchunked it grows by about 630 MiB). Its working set
+    grows with the chunk but not with chunk x context: an 8K chunk at 64K grows by about 470 MiB,
+    where the per-segment scores alone would be 8.6 GB. The per-segment run checks that the bound
+    tells the two apart at this size."""
+    peak, seconds = _peak_growth(tiny_ckpt("flash"), "batched")
+    assert peak < PEAK_BOUND, f"peak grew by {peak / 2**20:.0f} MiB in {seconds:.0f} s"
+    peak, seconds = _peak_growth(tiny_ckpt("flash"), "segments")
+    assert peak > PEAK_BOUND, f"the per-segment forward grew by only {peak / 2**20:.0f} MiB: the bound proves nothing"
