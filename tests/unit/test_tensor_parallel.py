@@ -8,6 +8,7 @@ its neighbour's wo_b columns, embedding rows or head rows is caught. Plus the la
 the startup checks that name the flags, and the speculative sync check's helpers."""
 
 import dataclasses
+import multiprocessing
 import os
 import re
 
@@ -71,9 +72,19 @@ def _rank_main(rank, world, init_file, ckpt, tp, ep, impl, seed, out_dir, broken
     dist.destroy_process_group()
 
 
+def _start_ranks(fn, args, nprocs: int) -> None:
+    """mp.spawn(fn, args, nprocs), each rank forked from a forkserver that imported torch once per
+    test process instead of started as a fresh interpreter: importing torch took each rank about
+    2.5 s of CPU (10 s for a four-rank case on two cores), more than the rank's work. The forkserver
+    runs no torch op (an OpenMP pool created before a fork is unusable in the child, as for
+    tools/zygote.py); it keeps the environment it started with, and no test here changes it."""
+    multiprocessing.set_forkserver_preload(["torch"])  # no effect once the forkserver runs
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def _on_ranks(tmp_path, ckpt, tp, ep, impl, seed, broken=False):
     init = tmp_path / f"init-{tp}-{ep}-{impl}-{seed}-{broken}"
-    mp.spawn(_rank_main, args=(tp, str(init), ckpt, tp, ep, impl, seed, str(tmp_path), broken), nprocs=tp, join=True)
+    _start_ranks(_rank_main, (tp, str(init), ckpt, tp, ep, impl, seed, str(tmp_path), broken), tp)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
 
 
@@ -131,7 +142,7 @@ def test_w8a8_layers_on_two_ranks_equal_one(tmp_path, tiny_ckpt, scheme, broken)
     calib = prompt_path("gsm8k") if scheme == "static" else None
     quantize_checkpoint(tiny_ckpt("flash"), q, scheme, calib=calib, num_calib=4, progress=False)
     init = tmp_path / "init-w8a8"
-    mp.spawn(_w8a8_rank_main, args=(2, str(init), q, str(tmp_path), broken), nprocs=2, join=True)
+    _start_ranks(_w8a8_rank_main, (2, str(init), q, str(tmp_path), broken), 2)
     ranks = [torch.load(tmp_path / f"w8a8_rank{r}.pt") for r in range(2)]
     model = _load(q)
     g = torch.Generator().manual_seed(0)
@@ -441,9 +452,7 @@ def test_dp_attention_ranks_equal_one(tmp_path, tiny_ckpt, dsv4_model, ep, broke
         if i < len(scheds[r][0])
     )  # and padding rows occur
     init = tmp_path / f"init-dp-{ep}-{broken}-{explicit}"
-    mp.spawn(
-        _dp_rank_main, args=(2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken, explicit), nprocs=2, join=True
-    )
+    _start_ranks(_dp_rank_main, (2, str(init), tiny_ckpt("flash"), ep, str(tmp_path), broken, explicit), 2)
     mismatches = 0
     for r in range(2):
         got = torch.load(tmp_path / f"dp_rank{r}.pt")
