@@ -310,11 +310,15 @@ def test_doctor_ranks_reports_each_rank_or_the_flag(capsys):
     assert "PROBLEM: --dp-size 4 --enable-dp-attention" in capsys.readouterr().out
 
 
-def test_bench_cache_per_rank_share():
+def test_bench_cache_per_rank_share(monkeypatch):
     from sglang_dsv4_ascend.bench.cache import CONFIGS, per_rank
     from sglang_dsv4_ascend.config import DSV4Config
     from sglang_dsv4_ascend.models.trunk import DSV4Model
 
+    # Every model here is on the meta device, where parameters hold no values: the random init of
+    # Flash's 33k linears (a Python decomposition each on meta) was half of each model's build.
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: None)
+    monkeypatch.setattr(torch.nn.Embedding, "reset_parameters", lambda self: None)
     whole = DSV4Model(DSV4Config.from_hf(CONFIGS["flash"]), dtype=torch.bfloat16, device="meta")
     total = sum(p.numel() * p.element_size() for p in whole.parameters()) + sum(
         b.numel() * b.element_size() for b in whole.buffers()
