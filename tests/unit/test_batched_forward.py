@@ -207,7 +207,7 @@ from sglang_dsv4_ascend.batch import Segment
 torch.set_num_threads(2)
 model = load_model_from_dir(sys.argv[1])
 model.attention_impl = sys.argv[2]
-ctx, chunk = 65536, 256
+ctx, chunk = 65536, 512
 cache = model.make_cache(1, ctx)
 g = torch.Generator().manual_seed(0)
 for t in cache.state_tensors().values():  # the history before the chunk, without computing it
@@ -219,7 +219,7 @@ t0 = time.time()
 model(ids, torch.arange(start, ctx), [Segment(0, start, chunk)], cache, pending=[])
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, time.time() - t0)
 """
-PEAK_BOUND = 320 << 20  # bytes above the process's peak before the forward
+PEAK_BOUND = 512 << 20  # bytes above the process's peak before the forward
 
 
 def _peak_growth(ckpt: str, impl: str) -> tuple:
@@ -234,10 +234,10 @@ def _peak_growth(ckpt: str, impl: str) -> tuple:
 
 
 def test_peak_memory_of_a_prefill_chunk_at_64k_context_is_bounded(tiny_ckpt):
-    """A 256-token prefill chunk at a 64K context (16K CSA entries per query): the per-segment
-    indexer builds a [256, 16 heads, 16384] fp32 score tensor (256 MiB) several times over (about
-    600 MiB); the batched one scores in bounded chunks with a running top-k (SELECT_CHUNK_ELEMS)
-    and stays under 320 MiB (about 165 MiB; unchunked it grows by about 630 MiB). Its working set
+    """A 512-token prefill chunk at a 64K context (16K CSA entries per query): the per-segment
+    indexer builds a [512, 16 heads, 16384] fp32 score tensor (512 MiB) several times over (about
+    1160 MiB); the batched one scores in bounded chunks with a running top-k (SELECT_CHUNK_ELEMS)
+    and stays under 512 MiB (about 275 MiB; unchunked it grows by about 1165 MiB). Its working set
     grows with the chunk but not with chunk x context: an 8K chunk at 64K grows by about 470 MiB,
     where the per-segment scores alone would be 8.6 GB. The per-segment run checks that the bound
     tells the two apart at this size."""
