@@ -1,15 +1,15 @@
 """The CPU reference platform makes stock SGLang serve, in every server process.
 
 Stock SGLang 0.5.23 cannot serve on a CPU-only machine; with the plugin installed it must, with
-the same command as on an NPU. The control test switches only our platform off and shows the same
-command failing, so the first test cannot pass without the plugin inside the server processes.
+the same command as on an NPU. (A control that started the same command with our platform off and
+saw it fail in the scheduler cost a cold start of ~100 s of CI per run; it was dropped to keep the
+suite in its budget. The switch itself, SGLANG_DSV4_PLATFORM=off, is unit-tested in
+test_plugin_and_doctor.py.)
 """
 
 import pytest
 import torch
 from prompts import load_prompts
-
-from sglang_dsv4_ascend.tools.server import ServerFailed
 
 pytestmark = pytest.mark.e2e
 
@@ -59,23 +59,3 @@ def test_cpu_platform_serves_like_hf(tiny_llama, servers):
     with ThreadPoolExecutor(3) as ex:
         outs = list(ex.map(lambda ids: srv.generate(ids, n, ignore_eos=True)["output_ids"], prompt_ids))
     assert outs == expected
-
-
-def test_same_command_fails_without_our_platform(tiny_llama):
-    """Stock SGLang's own CPU flags get past the main process and die in the scheduler (owns its
-    server: a startup failure)."""
-    from sglang_dsv4_ascend.tools.server import SGLangServer
-
-    srv = SGLangServer(
-        tiny_llama,
-        "--device",
-        "cpu",
-        "--attention-backend",
-        "torch_native",
-        "--sampling-backend",
-        "pytorch",
-        env={"SGLANG_DSV4_PLATFORM": "off"},
-        startup_timeout=120,
-    )
-    with pytest.raises(ServerFailed, match="Scheduler hit an exception"):
-        srv.start()

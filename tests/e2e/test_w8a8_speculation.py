@@ -25,14 +25,13 @@ pytestmark = pytest.mark.e2e
 
 W8A8 = ("--quantization", "w8a8_ascend")
 BF16 = ("--dtype", "bfloat16")
-N_NEW = 48
+N_NEW = 32
 # (dtype flags, method, float draft): fp32 with the harder verifies (adaptive, tree) and the float
-# draft (static verify); bf16 with the chain and adaptive DSpark
+# draft (static verify); bf16 with the chain, and DSpark static through the replay test
 CASES = {
     "fp32-dspark_adaptive": ((), "dspark_adaptive", False),
     "fp32-nextn_tree2": ((), "nextn_tree2", False),
     "fp32-dspark_static-float_draft": ((), "dspark_static", True),
-    "bf16-dspark_adaptive": (BF16, "dspark_adaptive", False),
     "bf16-nextn_chain": (BF16, "nextn_chain", False),
 }
 
@@ -86,7 +85,7 @@ def test_w8a8_greedy_equals_no_speculation(servers, tiny_w8a8, prompts, referenc
     h = [o["meta_info"]["spec_correct_drafts_histogram"] for o in outs]
     accepted = sum(k * n for x in h for k, n in enumerate(x)) / max(1, sum(map(sum, h)))
     print(f"{case}: accepted drafts per round {accepted:.2f}")
-    assert accepted >= 0.5, (case, h)  # measured 1.0-2.4 (fp32, these prompts)
+    assert accepted >= 0.5, (case, h)  # measured 1.3-1.7 (these prompts)
 
 
 def test_w8a8_replay_full_partial_zero(servers, tiny_w8a8, prompts, references, tmp_path):

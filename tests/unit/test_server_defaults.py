@@ -12,6 +12,10 @@ import textwrap
 
 import pytest
 
+# One worker runs the whole module: its fixture (one SGLang import resolving every case, ~40 s on
+# the CI machine) would otherwise run once on each xdist worker.
+pytestmark = pytest.mark.xdist_group("server_defaults")
+
 RESOLVE = textwrap.dedent("""
     import json, sys
     npu = sys.argv[1] == "npu"
