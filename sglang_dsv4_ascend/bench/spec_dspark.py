@@ -7,10 +7,11 @@ DeepSeek-V4, in process, one run, every ratio measured side by side.
 Two checkpoints share one trunk, one with the DSpark draft and one with a NextN block (random:
 written from the same seed, the generator draws the trunk first; trained: the shipped pair), which
 the run checks (`same_trunk`: every trunk tensor equal). NextN runs as a chain of gamma steps
-(the same verify width as a DSpark block). The adaptive planner's cost model is measured once on
-this machine before the runs (planner.measure_cost, reported); the server measures the same at
-startup. Drafters: "dspark" is the checkpoint's draft (`--model trained`: the shipped trained one,
-with its calibration file; `random`: acceptance near zero);
+(the same verify width as a DSpark block). The adaptive planner's round cost surface is seeded
+once on this machine before the runs (planner.measure_cost, reported) and refined online in each
+run (speculative/cost.py), as the server does. Drafters: "dspark" is the checkpoint's draft
+(`--model trained`: the shipped trained one, with its calibration file; `random`: acceptance near
+zero);
 "replay" is the test drafter in "full" mode fed the no-spec outputs, with its synthetic
 confidences (0.9 on the right tokens), so acceptance is maximal and the planner has something to
 trust: it bounds what the machinery costs.
@@ -19,8 +20,9 @@ Per configuration: mean accept length (bonus included), committed tokens per tar
 target rows per batch round ("target tokens per step"), drafted / verified drafts per
 request-round, stage ms per round, decode tok/s and its ratios to no-spec and to NextN; for
 adaptive, the planner's prediction next to the measurement: predicted tokens/s = sum of expected
-tokens / sum of predicted verify seconds over the rounds, measured = committed tokens / verify
-seconds. Greedy, EOS ignored; timings are one run on this machine, never asserted.
+tokens / sum of predicted round seconds over the rounds, measured = committed tokens / round
+seconds; the mean predicted and measured round ms and the rounds that skipped drafting. Greedy,
+EOS ignored; timings are one run on this machine, never asserted.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class DSparkInProcess:
         eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last.tolist())))
         outs = [[t] for t in first]
         lens = [len(p) for p in prompts]
-        acc = dict(accept=[], rows=[], drafted=[], verified=[], batch_rows=[], expected=0.0, predicted_s=0.0)
+        acc = dict(accept=[], rows=[], drafted=[], verified=[], batch_rows=[], expected=0.0, predicted_s=0.0, skipped=0)
         timings = dict.fromkeys(STAGES, 0.0)
         rounds = 0
         active = [b for b in range(B) if len(outs[b]) < new_tokens]
@@ -95,6 +97,7 @@ class DSparkInProcess:
             acc["batch_rows"].append(sum(t.n for t in r.trees))
             acc["expected"] += r.plan.get("expected_tokens", 0.0)
             acc["predicted_s"] += r.plan.get("predicted_seconds", 0.0)
+            acc["skipped"] += bool(r.plan.get("skipped_draft"))
             for b, em, n, tree, d in zip(active, r.emitted, r.accept_lens, r.trees, r.drafted):
                 outs[b] += em
                 lens[b] += n
@@ -112,6 +115,7 @@ def run(
     """`ckpts`: {"nextn": dir, "dspark": dir}, one trunk with either draft (checked: same_trunk)."""
     from ..models.dspark import load_sts, sts_path
     from ..models.weights import load_model_from_dir
+    from ..speculative.cost import describe
     from ..speculative.drafters import DSparkDrafter, ReplayDrafter
     from ..speculative.planner import measure_cost
 
@@ -127,7 +131,7 @@ def run(
     cost = measure_cost(
         ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches), budget_s=10.0
     )
-    log(f"cost model: t = {cost.c0:.4g} + {cost.c_req:.4g}*R + {cost.c_tok:.4g}*rows s ({cost.source})")
+    log(f"round cost seed (the verify forward; the rest is learned online): {describe(cost)} ({cost.source})")
     for B in batches:  # warm-up, untimed (TorchScript profiles its first runs)
         ds.spec(prompts_all[:B], gamma, "static", None, DSparkDrafter, 3, max_len)
         nx.spec(prompts_all[:B], (1, gamma, gamma + 1), drafter_factory("nextn", None), 3, max_len)
@@ -178,8 +182,12 @@ def run(
                     "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs)),
                 }
                 if mode == "adaptive" and s["predicted_s"] > 0:
-                    row["planner_predicted_verify_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
-                    row["measured_verify_tok_s"] = rounded(sum(s["accept"]) / s["timings"]["verify"], 1)
+                    round_s = sum(s["timings"].values())
+                    row["planner_predicted_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
+                    row["measured_round_tok_s"] = rounded(sum(s["accept"]) / round_s, 1)
+                    row["planner_predicted_round_ms"] = rounded(s["predicted_s"] * 1e3 / rr, 3)
+                    row["measured_round_ms"] = rounded(round_s * 1e3 / rr, 3)
+                    row["skipped_draft_rounds"] = s["skipped"]
                 results.append(row)
                 log(
                     f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "

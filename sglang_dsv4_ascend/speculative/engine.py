@@ -124,15 +124,24 @@ class SpecEngine:
         the request's tokens so far incl. the bonus (read only by the replay drafter); `gens[b]`:
         an id of the request in its slot (the planner's lag ring must not mix requests)."""
         stage = _Stages()
+        gens = gens if gens is not None else [None] * len(slots)
+        decision = None
+        if self.planner is not None:
+            with stage("plan"):  # before drafting: whether to draft at all (planner.Planner.decide)
+                decision = self.planner.decide(slots, gens)
+        skip = decision is not None and decision.skip
         with stage("draft"):
-            drafts = self.drafter.draft(slots, starts, bonus, histories, sampling)
-            if not isinstance(drafts, Drafts):
-                drafts = Drafts(drafts)
+            if skip:  # a plain decode step: each request verifies its anchor (bonus) row only
+                drafts = Drafts([DraftTree([b], [-1]) for b in bonus])
+            else:
+                drafts = self.drafter.draft(slots, starts, bonus, histories, sampling)
+                if not isinstance(drafts, Drafts):
+                    drafts = Drafts(drafts)
         drafted = [t.n - 1 for t in drafts.trees]
         plan = {}
         if self.planner is not None:
             with stage("plan"):
-                lens = self.planner.plan(slots, gens if gens is not None else [None] * len(slots), drafts.confidence)
+                lens = self.planner.plan(slots, gens, drafts.confidence, decision)
                 drafts = drafts.truncated(lens)
                 plan = dict(self.planner.last)
         trees = drafts.trees
@@ -199,6 +208,9 @@ class SpecEngine:
                 ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends
             )
         out.timings = stage.t
+        if self.planner is not None:
+            draft_s = None if skip else stage.t["draft"]
+            self.planner.observe(len(slots), plan.get("rows", 0), sum(stage.t.values()), draft_s)
         return out
 
 

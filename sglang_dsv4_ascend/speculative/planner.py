@@ -5,10 +5,13 @@ static    every request verifies its whole block (gamma drafts + the anchor row)
 adaptive  DSpark's production scheduler:
   1. budget K (extra draft rows for the whole batch) from the confidences recorded LAG (2) rounds
      earlier: with s = those survivals (cumulative products, >= eps) sorted descending and S_k
-     their prefix sums, K = argmax_k (R + S_k) / t(R, R + k), t = the verify cost model
-     (CostModel: seconds of a target forward over R requests and R + k rows); ties -> smaller k.
-     A request with no record of its own from LAG rounds ago counts survival 1 everywhere.
-     Without a cost model there is nothing to trade against, and K = R * gamma (verify all).
+     their prefix sums, K = argmax_k (R + S_k) / t(R, R + k), t = the round cost surface
+     (cost.py: seconds of a whole round over R requests verifying R + k rows, refined online);
+     ties -> smaller k. A request's record is its latest from a round <= now - LAG; one with none
+     counts survival 1 everywhere. Without a cost model there is nothing to trade against, and
+     K = R * gamma (verify all). When R / t_plain(R) >= (R + S_K) / t(R, R + K) the round does not
+     draft at all (Planner.decide): speculation is then never slower than plain decoding, by the
+     model's own prediction.
   2. selection: the K candidates (r, j) of highest CURRENT survival a_{r,j} = prod_{i<=j} c_{r,i},
      ranked by (a descending, j ascending, r ascending), a >= eps. Request r verifies
      l_r = #selected of its own, always its anchor row on top; since a_{r,.} is non-increasing and
@@ -26,15 +29,14 @@ often when it makes a_{r,j+1} high, which biases the output.
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .. import settings
 from ..batch import Segment
+from .cost import OnlineCost, RoundCost, from_points
 
 EPS = 1e-6
 LAG = 2
@@ -46,79 +48,31 @@ def verify_mode() -> str:
     return settings.DSPARK_VERIFY.get()
 
 
-@dataclass
-class CostModel:
-    """t(R, B) = c0 + c_req * R + c_tok * B seconds for a verify forward of R requests and B rows,
-    least-squares fitted (coefficients >= 0) on measured points [(R, B, seconds), ...]."""
-
-    c0: float
-    c_req: float
-    c_tok: float
-    points: list = field(default_factory=list)
-    source: str = ""
-
-    def __call__(self, requests: int, rows: int) -> float:
-        return self.c0 + self.c_req * requests + self.c_tok * rows
-
-    @classmethod
-    def fit(cls, points, source: str = "") -> "CostModel":
-        pts = [(float(r), float(b), float(t)) for r, b, t in points]
-        if len(pts) < 1 or any(not (t > 0 and math.isfinite(t)) for _, _, t in pts):
-            raise ValueError(f"cost model {source}: need measured points (requests, rows, seconds > 0), got {points}")
-        A = torch.tensor([[1.0, r, b] for r, b, _ in pts], dtype=torch.float64)
-        y = torch.tensor([t for *_, t in pts], dtype=torch.float64)
-        active = [0, 1, 2]
-        while True:  # non-negative least squares by dropping negative terms (3 unknowns)
-            sol = torch.linalg.lstsq(A[:, active], y[:, None]).solution.flatten().tolist()
-            if min(sol) >= 0 or len(active) == 1:
-                break
-            active.pop(min(range(len(active)), key=lambda i: sol[i]))
-        coef = [0.0, 0.0, 0.0]
-        for i, c in zip(active, sol):
-            coef[i] = max(0.0, c)
-        if coef == [0.0, 0.0, 0.0]:
-            coef[0] = min(t for *_, t in pts)
-        return cls(*coef, points=[list(p) for p in points], source=source)
-
-    def to_json(self) -> dict:
-        return {
-            "model": "t = c0 + c_req*requests + c_tok*rows",
-            "c0": self.c0,
-            "c_req": self.c_req,
-            "c_tok": self.c_tok,
-            "points": self.points,
-        }
-
-    @classmethod
-    def load(cls, path: str) -> "CostModel":
-        """A file written by `python -m sglang_dsv4_ascend.bench sps` ({"points": [[R, B, s], ...]})."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            return cls.fit(data["points"], source=path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"--speculative-dspark-sps-table-path {path}: expected "
-                f'{{"points": [[requests, rows, seconds], ...]}} (bench sps writes it): {e!r}'
-            ) from e
-
-
 def survival(conf: torch.Tensor) -> torch.Tensor:
     """a_{r,j} = prod_{i<=j} c_{r,i}, float64 [R, gamma] (monotone: c in [0, 1])."""
     return torch.cumprod(conf.to(torch.float64).clamp(0.0, 1.0), dim=-1)
 
 
-def budget(lagged_survival: torch.Tensor, cost: CostModel | None) -> int:
+def budget(lagged_survival: torch.Tensor, cost) -> int:
     """K from lagged survivals [R, gamma] (rows of requests without a record are all ones)."""
+    return _best(lagged_survival, cost)[0]
+
+
+def _best(lagged_survival: torch.Tensor, cost) -> tuple[int, float | None]:
+    """(K, tokens per second at K). `cost`: a cost.RoundCost / StepsTable (their `theta`, SGLang's
+    arithmetic), any callable t(R, rows), or None (verify everything)."""
     R, gamma = lagged_survival.shape
     if cost is None:
-        return R * gamma
+        return R * gamma, None
     s = lagged_survival.flatten()
     s = torch.sort(s[s >= EPS], descending=True).values
     tau = R + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(s, 0)])
-    k = torch.arange(len(tau), dtype=torch.float64)
-    theta = tau / torch.tensor([cost(R, R + int(i)) for i in k.tolist()], dtype=torch.float64)
-    return int(torch.argmax(theta).item())  # first maximum: the smaller k on ties
+    if hasattr(cost, "theta"):
+        theta = cost.theta(R, tau)
+    else:
+        theta = tau / torch.tensor([cost(R, R + k) for k in range(len(tau))], dtype=torch.float64)
+    k = int(torch.argmax(theta).item())  # first maximum: the smaller k on ties
+    return k, float(theta[k])
 
 
 def select(current_survival: torch.Tensor, K: int) -> list[int]:
@@ -133,84 +87,168 @@ def select(current_survival: torch.Tensor, K: int) -> list[int]:
     return lens
 
 
+@dataclass
+class Decision:
+    """What the planner decides before a round drafts: the budget K and whether to draft at all."""
+
+    budget: int
+    skip: bool = False
+    spec_tps: float | None = None  # predicted tokens/s of the round at K
+    plain_tps: float | None = None  # predicted tokens/s of a round without drafting
+
+
 class Planner:
     """Per-round verify lengths for a batch; keeps the lag ring of confidences per request slot.
 
-    `plan(slots, gens, conf)`: conf [R, gamma] this round's confidences (None: no confidence head,
-    only static is possible); gens[i] identifies the request occupying slot slots[i] (a new request
-    in a reused slot must not inherit its predecessor's record). Returns l_r per request and
-    records conf for LAG rounds later."""
+    `decide(slots, gens)` before drafting: K from the lagged survivals and the cost surface, and
+    whether the round drafts at all (adaptive with a cost surface that knows drafting's cost: a
+    round skips drafting when R / t_plain(R) >= tau_K / t(R, R + K), i.e. when the expected
+    tokens per second of verifying K drafts do not pay for the draft step; every `explore`-th
+    consecutive skip drafts anyway so the records stay current). Every input is fixed before this
+    round's draws, so skipping is lossless like K itself: the round is then a plain decode step
+    (anchors only) and the draft state is extended as after any round.
+    `plan(slots, gens, conf, decision)`: conf [R, gamma] this round's confidences (None: no
+    confidence head, or the round skipped drafting); gens[i] identifies the request occupying slot
+    slots[i] (a new request in a reused slot must not inherit its predecessor's record). Returns
+    l_r per request and records conf. A request's lagged record is its latest from round <= now -
+    LAG (the one LAG rounds ago when every round drafts).
+    `observe(...)`: a finished round's timings, for the online cost surface (cost.OnlineCost)."""
 
-    def __init__(self, gamma: int, mode: str = "adaptive", cost: CostModel | None = None, lag: int = LAG):
+    def __init__(self, gamma: int, mode: str = "adaptive", cost=None, lag: int = LAG, explore: int = 32):
         if mode not in settings.DSPARK_VERIFY.choices:
             raise ValueError(
                 f"{settings.DSPARK_VERIFY.name}={mode!r}: expected one of {', '.join(settings.DSPARK_VERIFY.choices)}"
             )
-        self.gamma, self.mode, self.cost, self.lag = gamma, mode, cost, lag
+        self.gamma, self.mode, self.lag, self.explore = gamma, mode, lag, explore
+        self.online, self._cost = None, None
+        self.use(cost)
         self.round = 0
+        self.skipped_in_a_row = 0
         self.history = {}  # slot -> {round: (gen, conf row)}
         self.last = {}  # diagnostics of the last plan: K, predicted tokens/s
+
+    def use(self, cost, online: bool = True, agree=None) -> None:
+        """Plan with `cost`: a cost.RoundCost (refined online from the rounds' timings unless
+        `online` is False; `agree` makes every rank use the same refit), a cost.StepsTable or
+        any callable t(R, rows) (used as given), or None."""
+        self._cost = cost
+        self.online = OnlineCost(cost, agree=agree) if online and isinstance(cost, RoundCost) else None
+
+    @property
+    def cost(self):
+        return self.online.cost if self.online is not None else self._cost
 
     def lagged(self, slots, gens) -> torch.Tensor:
         out = torch.ones(len(slots), self.gamma, dtype=torch.float64)
         for i, (slot, gen) in enumerate(zip(slots, gens)):
-            rec = self.history.get(slot, {}).get(self.round - self.lag)
+            recs = self.history.get(slot, {})
+            old = [r for r in recs if r <= self.round - self.lag]
+            rec = recs[max(old)] if old else None
             if rec is not None and rec[0] == gen and len(rec[1]) == self.gamma:
                 out[i] = survival(rec[1])
         return out
 
-    def plan(self, slots, gens, conf: torch.Tensor | None) -> list[int]:
+    def decide(self, slots, gens) -> Decision:
+        R, cost = len(slots), self.cost
+        if self.mode == "static" or cost is None:
+            return Decision(R * self.gamma)
+        K, spec_tps = _best(self.lagged(slots, gens), cost)
+        d = Decision(K, spec_tps=spec_tps)
+        if getattr(cost, "draft", None) is not None and cost.draft(R) > 0:
+            d.plain_tps = R / cost.plain(R)
+            d.skip = d.plain_tps >= spec_tps and self.skipped_in_a_row + 1 < self.explore
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if d.skip else 0
+        return d
+
+    def plan(self, slots, gens, conf: torch.Tensor | None, decision: Decision | None = None) -> list[int]:
         R = len(slots)
         current = None if conf is None else survival(conf)
-        if self.mode == "static" or conf is None or self.cost is None:
+        skip = decision is not None and decision.skip
+        if skip:
+            lens, K = [0] * R, 0
+        elif self.mode == "static" or conf is None or self.cost is None:
             lens = [self.gamma] * R
             K = R * self.gamma
         else:
-            K = budget(self.lagged(slots, gens), self.cost)
+            K = (decision if decision is not None else self.decide(slots, gens)).budget
             lens = select(current, K)
             for slot, gen, row in zip(slots, gens, conf.detach().to("cpu", torch.float64)):
                 h = self.history.setdefault(slot, {})
                 h[self.round] = (gen, row)
-                for old in [r for r in h if r <= self.round - self.lag]:
+                # keep from the latest record the next round may read on (bounded: LAG + 1 at most)
+                readable = [r for r in h if r <= self.round + 1 - self.lag]
+                for old in [r for r in h if readable and r < max(readable)]:
                     del h[old]
         rows = R + sum(lens)
-        self.last = dict(budget=K, rows=rows)
-        if self.cost is not None and conf is not None:
-            expected = R + sum(float(current[i, :n].sum()) for i, n in enumerate(lens))
-            self.last.update(expected_tokens=expected, predicted_seconds=self.cost(R, rows))
+        self.last = dict(budget=K, rows=rows, skipped_draft=skip)
+        cost = self.cost
+        if cost is not None and self.mode != "static":
+            self.last["predicted_seconds"] = cost.plain(R) if skip else cost(R, rows)
+            if conf is not None or skip:
+                self.last["expected_tokens"] = R + sum(float(current[i, :n].sum()) for i, n in enumerate(lens) if n)
         self.round += 1
         return lens
 
+    def observe(self, requests: int, rows: int, seconds: float, draft_seconds: float | None) -> None:
+        if self.online is not None and requests:
+            self.online.observe(requests, rows, seconds, draft_seconds)
+
 
 def measure_cost(
-    trunk, cache, gamma: int, max_requests: int = 16, budget_s: float = 3.0, start: int = 64, agree=None
-) -> CostModel:
-    """The verify cost model of this machine: timed target forwards over R requests of k rows
-    (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1), writes deferred and
-    dropped (the cache is not touched), one untimed warm-up each, best of two; stops once
-    `budget_s` is spent. Slot 0 is read for every request: its contents do not change the cost.
-    `agree(flag) -> bool`: under TP the forwards hold collectives, so every rank must stop after the
-    same point: the stop is true everywhere once it is true on one rank (spec_sync.RankSync.any)."""
+    trunk,
+    cache,
+    gamma: int,
+    max_requests: int = 16,
+    budget_s: float = 3.0,
+    start: int = 64,
+    agree=None,
+    drafter=None,
+):
+    """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
+    requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
+    writes deferred and dropped (the cache is not touched), and with a `drafter` its draft step
+    over the same R requests; one untimed warm-up each, best of two; stops once `budget_s` is
+    spent. Slot 0 is read for every request: its contents do not change the cost. The round's
+    other stages are learned online (cost.OnlineCost). `agree(flag) -> bool`: under TP the
+    forwards hold collectives, so every rank must stop after the same point: the stop is true
+    everywhere once it is true on one rank (spec_sync.RankSync.any)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):
         Rs.append(Rs[-1] * 2)
     ks = sorted({1, gamma // 2 + 1, gamma + 1})
-    points, t_begin = [], time.perf_counter()
+    points, drafts, t_begin = [], [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
-    for R, k in ((R, k) for R in Rs for k in ks):
-        segs = [Segment(0, start, k)] * R
-        ids = torch.zeros(R * k, dtype=torch.long, device=dev)
-        pos = torch.arange(start, start + k, device=dev).repeat(R)
+
+    def best_of(fn):
         best = None
         for rep in range(3):
             t0 = time.perf_counter()
-            trunk(ids, pos, segs, cache, pending=[])
+            fn()
             dt = time.perf_counter() - t0
             if rep:
                 best = dt if best is None else min(best, dt)
-        points.append((R, R * k, best))
-        spent = time.perf_counter() - t_begin > budget_s
-        if agree(spent) if agree is not None else spent:
+        return best
+
+    for R in Rs:
+        draft = 0.0
+        if drafter is not None:
+            draft = best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
+            drafts.append((R, draft))
+        stop = False
+        for k in ks:
+            segs = [Segment(0, start, k)] * R
+            ids = torch.zeros(R * k, dtype=torch.long, device=dev)
+            pos = torch.arange(start, start + k, device=dev).repeat(R)
+            t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
+            points.append((R, R * k, t + draft))
+            spent = time.perf_counter() - t_begin > budget_s
+            stop = agree(spent) if agree is not None else spent
+            if stop:
+                break
+        if stop:
             break
-    return CostModel.fit(points, source=f"measured at startup, {len(points)} points")
+    source = f"measured at startup, {len(points)} points"
+    cost = from_points(points, max_requests, max_requests * (gamma + 1), drafts or None, source=source)
+    cost.points, cost.draft_points = [list(p) for p in points], [list(d) for d in drafts]
+    return cost

@@ -1,5 +1,7 @@
 """Server-side speculative counters: per-stage wall time (engine.STAGES), rounds, drafted,
-verified and committed tokens, accepted drafts by position. Aggregated over the worker's life;
+verified and committed tokens, accepted drafts by position, rounds that skipped drafting, and per
+batch size the planner's predicted round time next to the measured one (so a user sees why it
+chose what it chose, and how far its cost surface is off). Aggregated over the worker's life;
 SGLang prints `log_suffix()` in its decode log line and returns `snapshot()` in /get_server_info
 (internal_states[*].dspark_info_record), the same place its own DSpark worker reports to."""
 
@@ -18,11 +20,19 @@ class StageStats:
         # those that accepted it: their ratio is the conditional acceptance at position k
         self.verified_at = []
         self.accepted_at = []
+        self.skipped_draft = 0
+        self.by_batch = {}  # R -> [rounds, predicted seconds, measured seconds] (rounds with a prediction)
 
     def add(self, res) -> None:
         self.rounds += 1
         for k, v in res.timings.items():
             self.seconds[k] = self.seconds.get(k, 0.0) + v
+        self.skipped_draft += bool(res.plan.get("skipped_draft"))
+        if res.plan.get("predicted_seconds") is not None:
+            row = self.by_batch.setdefault(len(res.trees), [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += res.plan["predicted_seconds"]
+            row[2] += sum(res.timings.values())
         for tree, path, drafted in zip(res.trees, res.paths, res.drafted):
             self.request_rounds += 1
             self.drafted += drafted
@@ -53,6 +63,11 @@ class StageStats:
             "acceptance_by_position": [
                 round(a / v, 4) if v else None for a, v in zip(self.accepted_at, self.verified_at)
             ],
+            "skipped_draft_rounds": self.skipped_draft,
+            "round_ms_by_batch": {
+                R: {"rounds": n, "predicted_ms": round(p * 1e3 / n, 3), "measured_ms": round(m * 1e3 / n, 3)}
+                for R, (n, p, m) in sorted(self.by_batch.items())
+            },
         }
 
     def log_suffix(self) -> str:
@@ -60,4 +75,8 @@ class StageStats:
             return ""
         s = self.snapshot()
         ms = " ".join(f"{k} {v:.1f}" for k, v in s["stage_ms_per_round"].items())
-        return f"stage ms/round: {ms}; verified/req-round {s['verified_per_request_round']:.2f}"
+        out = f"stage ms/round: {ms}; verified/req-round {s['verified_per_request_round']:.2f}"
+        if self.by_batch:
+            n, p, m = (sum(v[i] for v in self.by_batch.values()) for i in range(3))
+            out += f"; skipped drafting {self.skipped_draft}/{self.rounds} rounds; predicted/measured {p / m:.2f}"
+        return out

@@ -26,9 +26,10 @@ from .. import checkpoint
 from ..distributed.spec_sync import RankSync
 from ..models.dspark import load_sts, sts_path
 from ..names import DSPARK_ALGO, SPEC_ALGOS
+from . import cost as cost_surface
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
-from .planner import CostModel, Planner, measure_cost, verify_mode
+from .planner import Planner, measure_cost, verify_mode
 from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -146,27 +147,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 self.engine.drafter.name,
             )
             return
-        cost = None
-        if self.verify_mode == "adaptive":
-            if self.sps_table:
-                cost = CostModel.load(self.sps_table)
-            else:
-                cost = measure_cost(
-                    self.model.model,
-                    self.cache,
-                    self.gamma,
-                    max_requests=min(self.cache.num_slots, 16),
-                    agree=self.sync.any,
-                )
-                cost = self.sync.broadcast(cost)  # timings differ per rank; rank 0's plans for all
-            logger.info(
-                "dsv4_ascend DSpark verify cost model (%s): t = %.3g + %.3g*requests + %.3g*rows s",
-                cost.source,
-                cost.c0,
-                cost.c_req,
-                cost.c_tok,
-            )
-        planner = Planner(self.gamma, self.verify_mode, cost)
+        planner = Planner(self.gamma, self.verify_mode)
         self.engine = SpecEngine(
             self.model,
             self.cache,
@@ -180,6 +161,27 @@ class DSV4SpecWorker(BaseSpecWorker):
             num_steps=self.gamma,
             num_draft_tokens=self.gamma + 1,
         )
+        if self.verify_mode == "adaptive":
+            max_requests = min(self.cache.num_slots, 16)
+            if self.sps_table:
+                seed = cost_surface.load(self.sps_table, max_requests, max_requests * (self.gamma + 1))
+            else:
+                seed = measure_cost(
+                    self.model.model,
+                    self.cache,
+                    self.gamma,
+                    max_requests=max_requests,
+                    agree=self.sync.any,
+                    # the checkpoint's draft is timed too; the replay test drafter's cost is learned online
+                    drafter=self.engine.drafter if self.engine.drafter.name == "dspark" else None,
+                )
+                seed = self.sync.broadcast(seed)  # timings differ per rank; rank 0's plans for all
+            planner.use(seed, agree=self.decisions.broadcast)  # refits agree over the deciding ranks
+            logger.info(
+                "dsv4_ascend DSpark round cost model (%s): %s",
+                seed.source,
+                cost_surface.describe(seed),
+            )
         native = self.model.cfg.dspark_block_size
         logger.info(
             "dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
@@ -193,7 +195,7 @@ class DSV4SpecWorker(BaseSpecWorker):
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:
-        the engine is built here (for DSpark: the verify cost model is measured here), so the first
+        the engine is built here (for DSpark: the round cost model is measured here), so the first
         request does not pay for it."""
         result = super().prewarm_sampling()
         self._ensure_state()

@@ -87,3 +87,25 @@ def oracle_block(draft, feats, L: int, anchor: int, gamma: int, embed, head):
     last = draft.mtp[-1]
     hk = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg)
     return torch.nn.functional.linear(last.norm(hk).float(), head.float()), hk
+
+
+class Alternating:
+    """A cost under which drafting pays on odd rounds only (counted by the planner's calls: a
+    decision fixed before any draw)."""
+
+    def __init__(self):
+        self.n, self.dear = 0, False
+
+    def __call__(self, R, rows):
+        return 0.01
+
+    def theta(self, R, tau):
+        self.n += 1
+        self.dear = self.n % 2 == 0
+        return tau / (0.01 + self.draft(R))
+
+    def draft(self, R):
+        return 1.0 if self.dear else 0.0
+
+    def plain(self, R):
+        return 0.01

@@ -129,4 +129,6 @@ def test_dspark_bench_measures_static_adaptive_and_nextn_side_by_side():
     assert rows[("dspark_static", "replay")]["mean_accept_length"] == g + 1
     assert rows[("dspark_static", "dspark")]["target_rows_per_round"] == 2 * (g + 1)
     assert rows[("dspark_adaptive", "dspark")]["target_rows_per_round"] <= 2 * (g + 1)
-    assert "planner_predicted_verify_tok_s" in rows[("dspark_adaptive", "replay")]
+    assert {"planner_predicted_tok_s", "measured_round_ms", "skipped_draft_rounds"} <= set(
+        rows[("dspark_adaptive", "replay")]
+    )
