@@ -22,7 +22,7 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-from .. import checkpoint
+from .. import checkpoint, settings
 from ..distributed.spec_sync import RankSync
 from ..models.dspark import load_sts, sts_path
 from ..names import DSPARK_ALGO, SPEC_ALGOS
@@ -113,6 +113,13 @@ class DSV4SpecWorker(BaseSpecWorker):
         self.sync = RankSync.from_sglang()
         # the ranks serving the same requests (all TP ranks without DP attention): decisions agree there
         self.decisions = RankSync.from_sglang(attention=True)
+        if self.decisions.checking:
+            logger.info(
+                "dsv4_ascend: %s=1: every round's decisions compared over %d ranks (rank %d of them)",
+                settings.SPEC_SYNC_CHECK.name,
+                self.decisions.size,
+                self.decisions.rank,
+            )
         seed = getattr(server_args, "random_seed", None)
         self.generator = torch.Generator().manual_seed(self.sync.seed(int(seed or 0)))  # accept draws on the host
 

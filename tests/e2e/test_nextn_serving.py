@@ -200,17 +200,22 @@ def sharp_ckpt(ckpt, tmp_path_factory):
     return str(out)
 
 
+# 64 samples per request in batches of 64 (the CPU default of 16 running requests would take four
+# times the steps for the same samples)
+WIDE = ("--max-running-requests", "64")
+
+
 def test_sampled_speculation_matches_the_target_distribution(servers, sharp_ckpt, prompts, tmp_path):
     """Temperature 0.8 with the replay drafter proposing the greedy continuation: proposals are
     accepted or rejected by rejection sampling, and the emitted tokens must be distributed as
     without speculation. 1600 samples per side (two-sample chi-square over the most frequent
     tokens, p > 1e-3) detect a 5 % shift of probability mass between tokens with high power."""
     prompt = prompts[0][:24]
-    base_srv = servers.get(sharp_ckpt, *POOL)
+    base_srv = servers.get(sharp_ckpt, *POOL, *WIDE)
     ref = base_srv.generate(prompt, 8)["output_ids"]
     base, _ = _samples(base_srv, prompt, 25, 64)
     env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, [prompt], [ref], ["full"])}
-    srv = spec_server(servers, sharp_ckpt, "chain3", "--random-seed", "1", env=env)
+    srv = spec_server(servers, sharp_ckpt, "chain3", "--random-seed", "1", *WIDE, env=env)
     spec, accepted = _samples(srv, prompt, 25, 64)
     assert len(base) == len(spec) == 1600
     # proposals of both outcomes: accepted drafts, and rounds where the first was rejected
