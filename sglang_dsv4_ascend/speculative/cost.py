@@ -269,8 +269,10 @@ class OnlineCost:
     stage's seconds go into per-cell rings (the last `keep` samples of that exact (R, m)); every
     `every` rounds the surface is refitted to the cells' medians, pulled toward the seed. A sample
     more than `outlier`x off the current prediction (a page fault, a GC pause, the first call of
-    a shape) is counted and dropped. Memory is bounded: at most `max_cells` cells, the least
-    recently fed dropped first. `agree(cost) -> cost` makes every rank use the same refit (rank
+    a shape) is counted and dropped, unless most of the last 2 * `every` rounds were that far
+    off: then the surface is what is wrong (a seed measured on a loaded machine, a table from
+    another one) and the samples are kept. Memory is bounded: at most `max_cells` cells, the
+    least recently fed dropped first. `agree(cost) -> cost` makes every rank use the same refit (rank
     0's, spec_sync.RankSync.broadcast): ranks time their own rounds but must plan alike."""
 
     cost: RoundCost
@@ -285,9 +287,11 @@ class OnlineCost:
     rounds: int = 0
     dropped: int = 0
     refits: int = 0
+    recent: deque = None  # whether each of the last 2 * every rounds was off the surface
 
     def __post_init__(self):
         self.seed = self.seed or self.cost
+        self.recent = deque(maxlen=2 * self.every)
 
     def observe(self, requests: int, rows: int, seconds: float, draft_seconds: float | None) -> None:
         """One round: R requests, m verified rows, its wall seconds; the draft stage's seconds
@@ -297,7 +301,9 @@ class OnlineCost:
         if draft_seconds is None:
             seconds += self.cost.draft(requests)
         pred = self.cost(requests, rows)
-        if not (seconds > 0 and math.isfinite(seconds)) or not (pred / self.outlier <= seconds <= pred * self.outlier):
+        off = not (pred / self.outlier <= seconds <= pred * self.outlier)
+        self.recent.append(off)
+        if not (seconds > 0 and math.isfinite(seconds)) or (off and 2 * sum(self.recent) <= len(self.recent)):
             self.dropped += 1
         else:
             key = (int(requests), int(rows))

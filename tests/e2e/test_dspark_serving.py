@@ -55,7 +55,8 @@ def _concurrent(srv, prompts, **kw):
 # drafting pays for one request and not for more: a batch of several skips drafting (plain decode
 # steps, every 32nd drafting anyway), a lone request drafts. Its seconds are made up, as the replay
 # drafter's acceptance is, to drive the decision on purpose; the server's online refinement drops
-# rounds this far off the surface, so the decision holds for the whole test.
+# rounds this far off the surface until most recent rounds are (the surface is then replaced), so
+# the first rounds of a batch skip drafting.
 SKIP_TABLE = {
     "bias_seconds": 0.01,
     "bs_probes": [1, 2],

@@ -208,6 +208,17 @@ def test_online_refinement_converges_and_ignores_outliers():
     assert _worst_error(broken.cost) > 0.15, _worst_error(broken.cost)
 
 
+def test_a_seed_far_off_everywhere_is_replaced_not_defended():
+    """A seed 6x too slow everywhere (measured on a loaded machine): every round looks like an
+    outlier, and dropping them all would keep the wrong surface forever; once most recent rounds
+    are that far off they are kept, and the surface converges."""
+    seed = C.from_points([(R, m, 6 * (_truth(R, m) + 0.001 * R)) for R in (1, 4, 16) for m in (R, 5 * R)], 16, 80)
+    online = C.OnlineCost(seed)
+    assert _worst_error(online.cost) > 3
+    _feed(online, 600, random.Random(3), outliers=0.0)
+    assert _worst_error(online.cost) < 0.1, _worst_error(online.cost)
+
+
 def test_ranks_plan_with_rank_zeros_refit():
     """Each rank times its own rounds; `agree` (RankSync.broadcast in the worker) hands every rank
     the same refit, so their plans agree even though their timings differ."""
