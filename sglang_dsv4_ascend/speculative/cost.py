@@ -269,8 +269,8 @@ class OnlineCost:
     stage's seconds go into per-cell rings (the last `keep` samples of that exact (R, m)); every
     `every` rounds the surface is refitted to the cells' medians, pulled toward the seed. A sample
     more than `outlier`x off the current prediction (a page fault, a GC pause, the first call of
-    a shape) is counted and dropped, unless most of the last 2 * `every` rounds were that far
-    off: then the surface is what is wrong (a seed measured on a loaded machine, a table from
+    a shape) is counted and dropped, unless more than `every` of the last 2 * `every` rounds
+    were that far off: then the surface is what is wrong (a seed measured on a loaded machine, a table from
     another one) and the samples are kept. Memory is bounded: at most `max_cells` cells, the
     least recently fed dropped first. `agree(cost) -> cost` makes every rank use the same refit (rank
     0's, spec_sync.RankSync.broadcast): ranks time their own rounds but must plan alike."""
@@ -303,7 +303,7 @@ class OnlineCost:
         pred = self.cost(requests, rows)
         off = not (pred / self.outlier <= seconds <= pred * self.outlier)
         self.recent.append(off)
-        if not (seconds > 0 and math.isfinite(seconds)) or (off and 2 * sum(self.recent) <= len(self.recent)):
+        if not (seconds > 0 and math.isfinite(seconds)) or (off and 2 * sum(self.recent) <= self.recent.maxlen):
             self.dropped += 1
         else:
             key = (int(requests), int(rows))
@@ -318,6 +318,9 @@ class OnlineCost:
             self.refit()
 
     def refit(self) -> None:
+        """Every rank calls this on the same round (`every`), cells or not: `agree` is a
+        collective, and which samples a rank kept is its own."""
+        new = self.cost
         if self.cells:
             samples = [(R, m, _median(ring), len(ring)) for (R, m), ring in self.cells.items()]
             new = fit(samples, self.seed.bs_probes, self.seed.m_probes, prior=self.seed, ridge=1e-3, source="online")
@@ -325,8 +328,8 @@ class OnlineCost:
                 d = sorted((R, _median(r)) for R, r in self.drafts.items())
                 xs, ys = [r for r, _ in d], [t for _, t in d]
                 new.draft_s = [interp(xs, ys, p) if xs[0] <= p <= xs[-1] else self.seed.draft(p) for p in new.bs_probes]
-            self.cost = new if self.agree is None else self.agree(new)
-            self.refits += 1
+        self.cost = new if self.agree is None else self.agree(new)
+        self.refits += 1
 
 
 def _median(xs) -> float:

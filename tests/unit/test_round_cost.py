@@ -232,13 +232,29 @@ def test_ranks_plan_with_rank_zeros_refit():
 
         return agree
 
+    calls = [0, 0]
+
+    def counted(rank, agree):
+        def f(cost):
+            calls[rank] += 1
+            return agree(cost)
+
+        return f
+
     seed = C.from_points([(1, 1, 0.01), (16, 80, 0.02)], 16, 80, [(1, 0.002), (16, 0.002)])
-    ranks = [C.OnlineCost(seed, agree=agree_as(r)) for r in (0, 1)]
+    ranks = [C.OnlineCost(seed, agree=counted(r, agree_as(r))) for r in (0, 1)]
+    # rank 1's clock is 10x off (every round an outlier at first): it keeps no cells for a while,
+    # yet joins every collective
     rngs = [random.Random(1), random.Random(2)]
-    for _ in range(10):
-        for online, rng in zip(ranks, rngs):  # rank 0 first, as a broadcast orders them
-            _feed(online, 16, rng)
+    for i in range(10):
+        for r, (online, rng) in enumerate(zip(ranks, rngs)):  # rank 0 first, as a broadcast orders them
+            if r == 1 and i < 2:
+                for _ in range(16):
+                    online.observe(4, 8, 10 * _truth(4, 8), 0.001)
+            else:
+                _feed(online, 16, rng)
         assert ranks[0].cost == ranks[1].cost
+    assert calls == [10, 10]
 
 
 # -- rounds that skip drafting, in the engine ---------------------------------------------------------
