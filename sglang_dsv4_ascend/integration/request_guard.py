@@ -396,6 +396,14 @@ def check_request(
     if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
         raise RequestRejected("input_ids: the prompt is empty (a batch entry with no tokens?)")
     if input_ids:
+        # a nested list reaches here as one prompt when `text` is given beside it (SGLang then takes
+        # input_ids as they are): comparing a list with the vocabulary size was a 500
+        wrong = next((t for t in input_ids if not _is_int(t)), None)
+        if wrong is not None:
+            raise RequestRejected(
+                f"input_ids: expected one prompt's token ids (integers), got an element {wrong!r:.60} "
+                f"of type {type(wrong).__name__} (a batch takes a list of prompts, without `text`)"
+            )
         lo, hi = min(input_ids), max(input_ids)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi

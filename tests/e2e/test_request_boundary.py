@@ -665,6 +665,8 @@ def cls_conflicts(rng, V):
     return [
         ("/generate", {"text": "hi", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"text": ["a", "b"], "input_ids": [[1], [2]], "sampling_params": {"max_new_tokens": 2}}),
+        # one text, nested ids: reached the vocabulary check as a list of lists (a 500)
+        ("/generate", {"text": "hi", "input_ids": [[1]], "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"input_embeds": [[0.0] * 64], "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"input_embeds": [[[1.0] * 3] * 2], "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"text": "hi", "input_embeds": [[0.5] * 64], "sampling_params": {"max_new_tokens": 2}}),

@@ -45,6 +45,10 @@ def test_input_ids_must_lie_in_the_vocabulary():
     refused(req(input_ids=[-1, 2]), [-1, 2], r"input_ids: token id -1 ")
     # applies to every model: an out-of-range id crashes any embedding
     refused(req(), [5, V + 7], "input_ids", dsv4=False)
+    # `text` beside a nested input_ids hands SGLang's validation a list of lists (was a 500, found
+    # by the fuzz on a speculative server)
+    for ids in ([[1]], [1, [2]], [1.0, 2], [True]):
+        refused(req(text="hi", input_ids=ids), ids, r"input_ids: expected one prompt's token ids", dsv4=False)
 
 
 def test_logprob_counts_are_bounded_by_the_vocabulary():
