@@ -329,3 +329,82 @@ def test_greedy_with_skipped_drafts_equals_plain_decoding(shipped):
     assert len(calls) == rounds - skipped
     assert skipped == rounds // 2
     assert accepted > 0
+
+
+# -- NextN: whether a round drafts ------------------------------------------------------------------
+
+
+def test_nextn_planner_skips_a_request_that_accepts_nothing():
+    """A round of 10 ms of which drafting is 6, a plain step 4 ms: a request that has accepted
+    nothing skips drafting (1 token per 4 ms beats 1 per 10), one that accepts 3 drafts per round
+    does not (4 per 10 ms), and a new request in the slot counts the deepest path until it has its
+    own record."""
+    surface = C.RoundCost(0.001, [1, 16], [0.009, 0.009], [1, 4, 64], [0.0, 0.0, 0.0], [0.006, 0.006])
+    assert surface(1, 4) == pytest.approx(0.010) and surface.plain(1) == pytest.approx(0.004)
+    sp = P.SkipPlanner(4, 3, cost=surface)
+    assert not sp.decide([0], ["a"]).skip  # no record: the deepest path
+    sp.observe(1, 4, 0.010, 0.006, [0], [0], ["a"])
+    assert sp.decide([0], ["a"]).skip  # accepted nothing
+    assert not sp.decide([0], ["b"]).skip  # a new request: optimistic
+    sp.observe(1, 4, 0.010, 0.006, [3], [0], ["b"])
+    assert not sp.decide([0], ["b"]).skip
+    # a skipped round's timing (4 ms) is a plain step of one request for the online surface
+    sp.observe(1, 1, 0.004, None, [0], [0], ["a"])
+    assert (1, 1) in sp.online.cells
+
+
+class NextNAlternating:
+    """Drafting costs nothing on even rounds and 100x the rest of the round on odd ones (the test
+    sets `round` before each: a decision fixed before any draw)."""
+
+    round = 0
+
+    def draft(self, R):
+        return 1.0 if self.round % 2 else 0.0
+
+    def __call__(self, R, rows):
+        return 0.01 + self.draft(R)
+
+    def plain(self, R):
+        return 0.01
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_nextn_greedy_with_skipped_drafts_equals_plain_decoding(topk):
+    """NextN chain and tree rounds with drafting skipped every other round emit exactly plain
+    greedy decoding of the trained tiny model; the drafter runs only on drafted rounds, whose
+    drafts are still accepted (the draft state stays current through skipped rounds)."""
+    from sglang_dsv4_ascend import TINY_NEXTN_MODEL_PATH
+    from sglang_dsv4_ascend.bench.spec_common import InProcess
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+    from sglang_dsv4_ascend.speculative.engine import NextNEngine
+
+    ip = InProcess(TINY_NEXTN_MODEL_PATH)
+    prompts, n_new = [[5, 17, 99, 3, 250, 8, 41, 7, 66], [12, 13, 14, 15, 16, 17, 18, 19]], 20
+    want = [o[:n_new] for o in ip.nospec(prompts, n_new, n_new, 64)["outputs"]]
+    steps, ndraft = 3, (4 if topk == 1 else 6)
+    cache = ip.trunk.make_cache(2, 64, ndraft)
+    cost = NextNAlternating()
+    planner = P.SkipPlanner(ndraft, steps, cost=cost)
+    eng = NextNEngine(
+        ip.model, cache, topk, steps, ndraft, NextNDrafter, torch.Generator().manual_seed(0), planner=planner
+    )
+    calls = []
+    real = eng.drafter.draft
+    eng.drafter.draft = lambda *a, **k: calls.append(1) or real(*a, **k)
+    segs, last, first, aux = ip._prefill(cache, prompts)
+    eng.extend(
+        segs, torch.tensor([t for p, f in zip(prompts, first) for t in p[1:] + [f]]), aux, None, list(enumerate(last))
+    )
+    got, lens, rounds, skipped, accepted = [[f] for f in first], [len(p) for p in prompts], 0, 0, 0
+    while min(len(g) for g in got) < n_new:
+        cost.round = rounds
+        r = eng.round([0, 1], lens, [g[-1] for g in got], None, None, ["a", "b"])
+        rounds += 1
+        skipped += r.plan["skipped_draft"]
+        accepted += 0 if r.plan["skipped_draft"] else sum(a - 1 for a in r.accept_lens)
+        for b in range(2):
+            got[b] += r.emitted[b]
+            lens[b] += r.accept_lens[b]
+    assert [g[:n_new] for g in got] == want
+    assert skipped == rounds // 2 and len(calls) == rounds - skipped and accepted > 0
