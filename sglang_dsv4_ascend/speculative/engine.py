@@ -142,8 +142,7 @@ class SpecEngine:
         if self.planner is not None:
             with stage("plan"):
                 lens = self.planner.plan(slots, gens, drafts.confidence, decision)
-                if lens is not None:  # DSpark: chains cut to their verify lengths
-                    drafts = drafts.truncated(lens)
+                drafts = drafts.truncated(lens)
                 plan = dict(self.planner.last)
         trees = drafts.trees
 
@@ -211,9 +210,7 @@ class SpecEngine:
         out.timings = stage.t
         if self.planner is not None:
             draft_s = None if skip else stage.t["draft"]
-            accepted = [n - 1 for n in out.accept_lens]
-            rows = sum(s.length for s in segs)
-            self.planner.observe(len(slots), rows, sum(stage.t.values()), draft_s, accepted, slots, gens)
+            self.planner.observe(len(slots), plan.get("rows", 0), sum(stage.t.values()), draft_s)
         return out
 
 
@@ -227,17 +224,14 @@ def NextNEngine(
     generator: torch.Generator,
     device=None,
     sync=None,
-    planner=None,
 ) -> SpecEngine:
-    """The NextN chain / tree engine: every tree node is verified; a planner.SkipPlanner may make
-    a round skip drafting."""
+    """The NextN chain / tree engine (no planner: every tree node is verified)."""
     return SpecEngine(
         model,
         cache,
         drafter_factory,
         generator,
         device,
-        planner=planner,
         sync=sync,
         topk=topk,
         num_steps=num_steps,

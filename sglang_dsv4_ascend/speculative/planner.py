@@ -189,74 +189,8 @@ class Planner:
         self.round += 1
         return lens
 
-    def observe(self, requests: int, rows: int, seconds: float, draft_seconds: float | None, *_) -> None:
+    def observe(self, requests: int, rows: int, seconds: float, draft_seconds: float | None) -> None:
         if self.online is not None and requests:
-            self.online.observe(requests, rows, seconds, draft_seconds)
-
-
-class SkipPlanner:
-    """NextN (chain or tree, every node verified): whether a round drafts at all. A request's
-    expected tokens from a drafted round are 1 + its own accepted drafts per round (an exponential
-    average over its past drafted rounds, `alpha`; a request with none yet counts the deepest path,
-    `max_accept`), and a drafted round verifies the last drafted rounds' rows per request. The
-    round skips drafting when R / t_plain(R) >= sum_r (1 + a_r) / t(R, R * rows) on the round cost
-    surface (cost.py: seeded at startup by measure_cost, refined online); every `explore`-th
-    consecutive skip drafts anyway. As for DSpark, every input is fixed before the round's draws,
-    so skipping is lossless; trees are never cut (`plan` returns None)."""
-
-    def __init__(self, rows_per_request: int, max_accept: int, cost=None, explore: int = 32, alpha: float = 0.3):
-        self.explore, self.alpha, self.max_accept = explore, alpha, max_accept
-        self.rows = float(rows_per_request)
-        self.history = {}  # slot -> (gen, accepted drafts per round, averaged)
-        self.skipped_in_a_row = 0
-        self.online, self._cost = None, None
-        self.use(cost)
-        self.last = {}
-
-    def use(self, cost, agree=None) -> None:
-        self._cost = cost
-        self.online = OnlineCost(cost, agree=agree) if isinstance(cost, RoundCost) else None
-
-    @property
-    def cost(self):
-        return self.online.cost if self.online is not None else self._cost
-
-    def expected(self, slots, gens) -> float:
-        out = 0.0
-        for slot, gen in zip(slots, gens):
-            rec = self.history.get(slot)
-            out += 1 + (rec[1] if rec is not None and rec[0] == gen else self.max_accept)
-        return out
-
-    def decide(self, slots, gens) -> Decision:
-        R, cost = len(slots), self.cost
-        if cost is None or getattr(cost, "draft", None) is None or cost.draft(R) <= 0:
-            return Decision(0)
-        rows = max(R, round(R * self.rows))
-        d = Decision(0, spec_tps=self.expected(slots, gens) / cost(R, rows), plain_tps=R / cost.plain(R))
-        d.skip = d.plain_tps >= d.spec_tps and self.skipped_in_a_row + 1 < self.explore
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if d.skip else 0
-        return d
-
-    def plan(self, slots, gens, conf, decision: Decision | None = None):
-        skip = decision is not None and decision.skip
-        R = len(slots)
-        self.last = dict(skipped_draft=skip)
-        if decision is not None and decision.spec_tps is not None:
-            self.last["predicted_seconds"] = self.cost.plain(R) if skip else self.cost(R, max(R, round(R * self.rows)))
-        return None
-
-    def observe(self, requests: int, rows: int, seconds: float, draft_seconds, accepted=(), slots=(), gens=()):
-        """`accepted`, `slots`, `gens`: per request of the round (drafts accepted, its slot and id)."""
-        if not requests:
-            return
-        if draft_seconds is not None:  # a drafted round: what drafting brought each request
-            self.rows = rows / requests
-            for slot, gen, a in zip(slots, gens, accepted):
-                rec = self.history.get(slot)
-                avg = a if rec is None or rec[0] != gen else (1 - self.alpha) * rec[1] + self.alpha * a
-                self.history[slot] = (gen, avg)
-        if self.online is not None:
             self.online.observe(requests, rows, seconds, draft_seconds)
 
 
@@ -271,8 +205,7 @@ def measure_cost(
     drafter=None,
 ):
     """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
-    requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1; the
-    corners first),
+    requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
     writes deferred and dropped (the cache is not touched), and with a `drafter` its draft step
     over the same R requests; one untimed warm-up each, best of two; stops once `budget_s` is
     spent. Slot 0 is read for every request: its contents do not change the cost. The round's
@@ -283,10 +216,7 @@ def measure_cost(
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):
         Rs.append(Rs[-1] * 2)
-    # the corners first (1 and the most requests; a plain step and the whole block), so that a
-    # budget spent early still spans the surface the planner reads
-    Rs = sorted(Rs, key=lambda R: (R not in (1, Rs[-1]), R))
-    ks = sorted({1, gamma // 2 + 1, gamma + 1}, key=lambda k: (k not in (1, gamma + 1), -k))
+    ks = sorted({1, gamma // 2 + 1, gamma + 1})
     points, drafts, t_begin = [], [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
 

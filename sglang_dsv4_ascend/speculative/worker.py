@@ -29,7 +29,7 @@ from ..names import DSPARK_ALGO, SPEC_ALGOS
 from . import cost as cost_surface
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
-from .planner import Planner, SkipPlanner, measure_cost, verify_mode
+from .planner import Planner, measure_cost, verify_mode
 from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -144,21 +144,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 self.generator,
                 device=self.device,
                 sync=self.decisions,
-                # whether a round drafts at all (the round cost surface, measured below)
-                planner=SkipPlanner(self.num_steps + 1 if self.topk == 1 else self.num_draft_tokens, self.num_steps),
             )
-            rows = self.engine.planner.rows
-            seed = measure_cost(
-                self.model.model,
-                self.cache,
-                int(rows) - 1,
-                max_requests=min(self.cache.num_slots, 16),
-                agree=self.sync.any,
-                drafter=self.engine.drafter if self.engine.drafter.name == "nextn" else None,
-            )
-            seed = self.sync.broadcast(seed)  # timings differ per rank; rank 0's plans for all
-            self.engine.planner.use(seed, agree=self.decisions.broadcast)
-            logger.info("dsv4_ascend NextN round cost model (%s): %s", seed.source, cost_surface.describe(seed))
             logger.info(
                 "dsv4_ascend NextN worker: %s, steps=%d topk=%d draft_tokens=%d, drafter=%s",
                 "chain" if self.topk == 1 else "tree",
