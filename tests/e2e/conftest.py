@@ -127,20 +127,28 @@ SCHEDULE = [
     ("ranks", f"{FUZZ}[dspark_adaptive_tp2]"),
     ("ranks", "test_parallel_serving.py"),
     ("ranks", "test_indexcache_serving.py::test_served_freq2_equals_in_process[nospec_tp2]"),
-    # DSpark on the random checkpoint; the trained model's methods, each server's users together
-    ("spec", "test_dspark_serving.py"),
+    # the trained model's methods, each server's users together: first the README's configuration
+    # (DSpark adaptive), whose server starts cold (tests/e2e/pool.py) and so at the start, while the
+    # other worker runs one-rank servers (during four-rank ones it took 180 s instead of ~60)
     ("spec", "test_trained_tiny.py::test_the_completion"),
-    ("spec", "test_trained_tiny.py::test_nextn_variant"),
     *[
-        ("spec", f"{test}[{method}]")
-        for method in ("nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static", "dspark_adaptive")
-        for test in (
-            "test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
-            "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold",
-            FUZZ,
+        entry
+        for method in ("dspark_adaptive", "nextn_chain", "nextn_tree2", "nextn_tree4", "dspark_static")
+        for entry in (
+            *[
+                ("spec", f"{test}[{method}]")
+                for test in (
+                    "test_trained_tiny.py::test_greedy_equals_no_speculation_and_drafts_are_accepted",
+                    "test_prefix_cache_serving.py::test_speculative_prefix_hit_drafts_like_cold",
+                    FUZZ,
+                )
+            ],
+            *((("spec", "test_bench_serve.py"),) if method == "dspark_adaptive" else ()),  # its server too
         )
     ],
-    ("spec", "test_bench_serve.py"),  # DSpark adaptive
+    ("spec", "test_trained_tiny.py::test_nextn_variant"),
+    # DSpark on the random checkpoint
+    ("spec", "test_dspark_serving.py"),
     # the trained model's W8A8 version: its no-speculation server first, then with speculation
     ("spec", "test_trained_tiny.py::test_w8a8_version_serves"),
     ("spec", "test_w8a8_speculation.py"),

@@ -139,7 +139,9 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     """Full / partial / zero acceptance on purpose; the stats the server reports are recomputed
     from the known pattern. Static: full accepts all 4 drafts per round, partial:2 two, zero none.
     Adaptive: the replay's confidences (0.9 where right, 0.2 after) let the planner trim, so
-    partial and zero rounds verify fewer rows, and the output never changes."""
+    zero rounds verify fewer rows, and how far it trims a right draft depends on the round cost
+    surface it measured (timing: a loaded machine trimmed full rounds to 3), so there no round
+    accepts past its first wrong draft, and the output never changes."""
     modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
     env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
     gamma = 4
@@ -151,10 +153,11 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
         correct = {"full": gamma, "zero": 0}.get(m) if not m.startswith("partial") else int(m.split(":")[1])
         hist = meta["spec_correct_drafts_histogram"]
         rounds = meta["spec_verify_ct"]
-        # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
-        assert hist[correct] >= rounds - 1, (m, hist)
         assert meta["spec_num_correct_drafts"] == sum(k * v for k, v in enumerate(hist))
+        assert sum(hist) == rounds and not any(hist[correct + 1 :]), (m, hist)  # never past a wrong draft
         if mode == "static":
+            # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
+            assert hist[correct] >= rounds - 1, (m, hist)
             assert meta["spec_cap_lens_histogram"][gamma + 1] == rounds
         elif m == "zero":  # the planner verifies what the confidences deserve, not the whole block
             assert meta["spec_cap_length"] < gamma + 1
