@@ -30,7 +30,15 @@ fi
 if ! "$VENV/bin/python" -c "import sglang, sys; sys.exit(0 if sglang.__version__ == '0.5.23' else 1)" 2>/dev/null; then
   echo "[setup] installing sglang 0.5.23 and torch 2.14.1 (~11 GB; about a minute with uv)"
   install "torch==2.14.1" "torchvision==0.29.1" "sglang==0.5.23"
+  rm -f "$VENV/.bytecode-compiled"
 fi
 echo "[setup] installing sglang-dsv4-ascend (editable) with test extras"
 install -e ".[test]"
+# Bytecode once per venv (scripts/precompile.py says why: PYTHONDONTWRITEBYTECODE=1 here made
+# every process compile SGLang and torch from source).
+if [ ! -f "$VENV/.bytecode-compiled" ]; then
+  echo "[setup] compiling bytecode for the modules servers and tests import"
+  PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" scripts/precompile.py
+  touch "$VENV/.bytecode-compiled"
+fi
 echo "[setup] done: $("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)')"
