@@ -15,6 +15,7 @@ from prompts import load_prompts
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
 from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
+from tests.oracles.decode import plain_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -26,25 +27,6 @@ SERVED = {
     "nextn_tree2": headline.METHODS["nextn_tree2"],
     "dspark_adaptive": headline.METHODS["dspark_adaptive"],
 }
-
-
-def _greedy(model, prompts, n):
-    """Greedy continuations of all prompts at once (one slot each, one forward per step)."""
-    from sglang_dsv4_ascend.batch import Segment
-
-    cache = model.make_cache(len(prompts), max(map(len, prompts)) + n + 1)
-    ids = torch.tensor([t for p in prompts for t in p])
-    pos = torch.cat([torch.arange(len(p)) for p in prompts])
-    logits = model.compute_logits(model(ids, pos, [Segment(i, 0, len(p)) for i, p in enumerate(prompts)], cache))
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    outs = [[int(t)] for t in logits[ends].argmax(-1)]
-    for step in range(n - 1):
-        pos = torch.tensor([len(p) + step for p in prompts])
-        segs = [Segment(i, int(q), 1) for i, q in enumerate(pos)]
-        h = model(torch.tensor([o[-1] for o in outs]), pos, segs, cache)
-        for o, t in zip(outs, model.compute_logits(h).argmax(-1)):
-            o.append(int(t))
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +46,8 @@ def case():
     base = load_model_from_dir(pkg.TINY_MODEL_PATH, dtype=torch.float32)
     reused = DSV4Model(dataclasses.replace(base.cfg, index_topk_freq=FREQ), dtype=torch.float32)
     load_released_weights(reused, iter_checkpoint(pkg.TINY_MODEL_PATH), source=pkg.TINY_MODEL_PATH)
-    want = _greedy(reused, prompts, N_NEW)
-    head = _greedy(base, prompts, 12)  # freq 1 parts from freq 2 by token 12 on two of them
+    want = plain_greedy(reused, prompts, N_NEW)
+    head = plain_greedy(base, prompts, 12)  # freq 1 parts from freq 2 by token 12 on two of them
     assert sum(w[:12] != b for w, b in zip(want, head)) == 2, "freq 2 changes too little here: pick other prompts"
     return prompts, want
 

@@ -6,28 +6,11 @@ import pytest
 import torch
 from prompts import load_prompts
 
+from tests.oracles.decode import plain_greedy
+
 pytestmark = pytest.mark.e2e
 
 N_NEW = 8
-
-
-def _greedy(model, prompts, n):
-    from sglang_dsv4_ascend.batch import Segment
-
-    outs = []
-    for ids in prompts:
-        cache = model.make_cache(1, len(ids) + n + 1)
-        x = torch.tensor(ids)
-        logits = model.compute_logits(model(x, torch.arange(len(ids)), [Segment(0, 0, len(ids))], cache))[-1]
-        out = []
-        for i in range(n):
-            tok = int(logits.argmax())
-            out.append(tok)
-            pos = len(ids) + i
-            h = model(torch.tensor([tok]), torch.tensor([pos]), [Segment(0, pos, 1)], cache)
-            logits = model.compute_logits(h)[-1]
-        outs.append(out)
-    return outs
 
 
 def test_w8a8_checkpoint_served_equals_in_process_model(tiny_checkpoint, w8a8_checkpoint, servers):
@@ -41,8 +24,8 @@ def test_w8a8_checkpoint_served_equals_in_process_model(tiny_checkpoint, w8a8_ch
     tok = AutoTokenizer.from_pretrained(dst)
     prompts = [tok(t).input_ids[:120] for t in load_prompts("gsm8k", 2)]
 
-    w8a8 = _greedy(load_w8a8_model_from_dir(dst, dtype=torch.float32), prompts, N_NEW)
-    float_ = _greedy(load_model_from_dir(src, dtype=torch.float32), prompts, N_NEW)
+    w8a8 = plain_greedy(load_w8a8_model_from_dir(dst, dtype=torch.float32), prompts, N_NEW)
+    float_ = plain_greedy(load_model_from_dir(src, dtype=torch.float32), prompts, N_NEW)
     agree = sum(a == b for x, y in zip(w8a8, float_) for a, b in zip(x, y)) / (N_NEW * len(prompts))
     print(f"W8A8 vs float greedy token agreement: {agree:.2f}")
 

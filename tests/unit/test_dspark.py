@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sglang_dsv4_ascend import settings as dsv4_settings
 from sglang_dsv4_ascend.speculative import planner as P
+from tests.oracles.decode import dspark_engine
 from tests.oracles.dspark_oracle import Alternating, oracle_block, oracle_budget, oracle_select
 
 
@@ -302,26 +303,14 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
         monkeypatch.setattr(E, "accept_batch", flattened)
     from sglang_dsv4_ascend.batch import Segment
     from sglang_dsv4_ascend.speculative.accept import target_probs
-    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
-    from sglang_dsv4_ascend.speculative.engine import SpecEngine
 
     trunk, draft = tiny
     gamma, T, n, rounds = 2, 0.7, 100, 24
-    cache = trunk.make_cache(n, 128, gamma + 1)
-    model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
-    eng = SpecEngine(
-        model,
-        cache,
-        DSparkDrafter,
-        torch.Generator().manual_seed(3),
-        # a verify costs 0.01 s per request: each request trades its rows as a lone one would; in
-        # the lossless variant every other round skips drafting (a plain decode step in between)
-        planner=P.Planner(gamma, "adaptive", linear(0.0, 0.01, 0.001) if wrong_q else Alternating()),
-        gamma=gamma,
-        topk=1,
-        num_steps=gamma,
-        num_draft_tokens=gamma + 1,
-    )
+    # a verify costs 0.01 s per request: each request trades its rows as a lone one would; in the
+    # lossless variant every other round skips drafting (a plain decode step in between)
+    planner = P.Planner(gamma, "adaptive", linear(0.0, 0.01, 0.001) if wrong_q else Alternating())
+    eng = dspark_engine(trunk, draft, n, gamma, planner, seed=3)
+    cache = eng.cache
     prompt = list(range(3, 30))
     L, anchor = len(prompt), 7
     segs = [Segment(s, 0, L) for s in range(n)]  # n requests with the same prompt and bonus token

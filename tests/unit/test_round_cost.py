@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import types
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from sglang_dsv4_ascend.speculative import cost as C
 from sglang_dsv4_ascend.speculative import planner as P
+from tests.oracles.decode import dspark_engine, plain_greedy
 from tests.oracles.dspark_oracle import Alternating
 
 sgp = pytest.importorskip("sglang.srt.speculative.dspark_components.dspark_planner")
@@ -275,36 +275,13 @@ def test_greedy_with_skipped_drafts_equals_plain_decoding(shipped):
     decoding of the trained tiny model, the drafter is not called on skipped rounds, and the
     drafted rounds still accept drafts (so the draft state kept current through the skipped ones)."""
     from sglang_dsv4_ascend.batch import Segment
-    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
-    from sglang_dsv4_ascend.speculative.engine import SpecEngine
 
     trunk, draft = shipped
     gamma, n_new = 4, 24
     prompts = [[5, 17, 99, 3, 250, 8, 41, 7, 66], [12, 13, 14, 15, 16, 17, 18, 19]]
-    # the oracle: plain greedy decoding, one token per forward
-    want = []
-    for p in prompts:
-        cache = trunk.make_cache(1, 128, gamma + 1)
-        h = trunk(torch.tensor(p), torch.arange(len(p)), [Segment(0, 0, len(p))], cache)
-        seq = list(p) + [int(trunk.compute_logits(h[-1:]).argmax())]
-        while len(seq) < len(p) + n_new:
-            h = trunk(torch.tensor(seq[-1:]), torch.tensor([len(seq) - 1]), [Segment(0, len(seq) - 1, 1)], cache)
-            seq.append(int(trunk.compute_logits(h).argmax()))
-        want.append(seq[len(p) :])
-    cache = trunk.make_cache(2, 128, gamma + 1)
-    cost = Alternating()
-    model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
-    eng = SpecEngine(
-        model,
-        cache,
-        DSparkDrafter,
-        torch.Generator().manual_seed(0),
-        planner=P.Planner(gamma, cost=cost),
-        gamma=gamma,
-        topk=1,
-        num_steps=gamma,
-        num_draft_tokens=gamma + 1,
-    )
+    want = plain_greedy(trunk, prompts, n_new, gamma + 1)
+    eng = dspark_engine(trunk, draft, 2, gamma, P.Planner(gamma, cost=Alternating()))
+    cache = eng.cache
     calls = []
     real_draft = eng.drafter.draft
     eng.drafter.draft = lambda *a, **k: calls.append(1) or real_draft(*a, **k)

@@ -1,0 +1,50 @@
+"""Plain decoding in process, the definition speculative and served output is held to: one target
+forward per token, nothing drafted, nothing verified. And the DSpark engine as the in-process
+tests build it."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def plain_greedy(model, prompts, n: int, spec_rows: int = 0) -> list[list[int]]:
+    """The n greedy tokens after each prompt: all prompts at once (one slot each), then one
+    single-token forward per step. `model`: our DeepseekV4ForCausalLM-like trunk (fp32, bf16 or
+    W8A8); `spec_rows`: the cache's speculative rows where a caller shares its shape."""
+    from sglang_dsv4_ascend.batch import Segment
+
+    cache = model.make_cache(len(prompts), max(map(len, prompts)) + n + 1, spec_rows)
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    logits = model.compute_logits(model(ids, pos, [Segment(i, 0, len(p)) for i, p in enumerate(prompts)], cache))
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    outs = [[int(t)] for t in logits[ends].argmax(-1)]
+    for step in range(n - 1):
+        pos = torch.tensor([len(p) + step for p in prompts])
+        segs = [Segment(i, int(q), 1) for i, q in enumerate(pos)]
+        h = model(torch.tensor([o[-1] for o in outs]), pos, segs, cache)
+        for o, t in zip(outs, model.compute_logits(h).argmax(-1)):
+            o.append(int(t))
+    return outs
+
+
+def dspark_engine(trunk, draft, slots: int, gamma: int, planner, seed: int = 0):
+    """A SpecEngine running DSpark (the real draft block and Markov loop) over a fresh cache of
+    `slots` request slots, 128 positions each."""
+    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
+    from sglang_dsv4_ascend.speculative.engine import SpecEngine
+
+    model = types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg)
+    return SpecEngine(
+        model,
+        trunk.make_cache(slots, 128, gamma + 1),
+        DSparkDrafter,
+        torch.Generator().manual_seed(seed),
+        planner=planner,
+        gamma=gamma,
+        topk=1,
+        num_steps=gamma,
+        num_draft_tokens=gamma + 1,
+    )
