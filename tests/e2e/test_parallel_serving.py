@@ -225,7 +225,8 @@ def test_dp_groups_with_attention_tp2_decide_in_sync(servers, chat, chat_referen
     srv = servers.get(path, *layout, env={**env, settings.SPEC_SYNC_CHECK.name: "1"})
     single, together = _run(srv, chat)
     assert _ids(single) == chat_reference and _ids(together) == chat_reference
-    _run(srv, chat, temperature=1.0)
+    with ThreadPoolExecutor(len(chat)) as ex:  # sampled, all at once: the batches the groups split
+        list(ex.map(lambda p: srv.generate(p, N_NEW, ignore_eos=True, temperature=1.0), chat))
     log = srv.log_text()
     assert "attn_tp 1/2, dp 1/2" in log and DESYNC_MARK not in log
     compared = re.findall(r"decisions compared over (\d+) ranks \(rank (\d+)", log)
