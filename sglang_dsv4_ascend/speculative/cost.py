@@ -323,13 +323,21 @@ class OnlineCost:
         new = self.cost
         if self.cells:
             samples = [(R, m, _median(ring), len(ring)) for (R, m), ring in self.cells.items()]
-            new = fit(samples, self.seed.bs_probes, self.seed.m_probes, prior=self.seed, ridge=1e-3, source="online")
+            # the seed's probes plus the default grid up to what the rounds reached: a table from
+            # elsewhere may probe coarsely (SGLang's [1, 64]) or stop short of this server's batches
+            bs = _knots(self.seed.bs_probes, max(R for R, _ in self.cells))
+            ms = _knots(self.seed.m_probes, max(m for _, m in self.cells))
+            new = fit(samples, bs, ms, prior=self.seed, ridge=1e-3, source="online")
             if self.drafts:  # measured between the batch sizes seen, the seed's outside them
                 d = sorted((R, _median(r)) for R, r in self.drafts.items())
                 xs, ys = [r for r, _ in d], [t for _, t in d]
                 new.draft_s = [interp(xs, ys, p) if xs[0] <= p <= xs[-1] else self.seed.draft(p) for p in new.bs_probes]
         self.cost = new if self.agree is None else self.agree(new)
         self.refits += 1
+
+
+def _knots(probes, reached: int) -> list:
+    return sorted({int(p) for p in probes} | set(probes_up_to(max(int(probes[-1]), int(reached)))))
 
 
 def _median(xs) -> float:

@@ -208,6 +208,22 @@ def test_online_refinement_converges_and_ignores_outliers():
     assert _worst_error(broken.cost) > 0.15, _worst_error(broken.cost)
 
 
+def test_a_coarse_table_is_refined_between_and_beyond_its_probes(monkeypatch):
+    """A table probed at R in [1, 2] and m in [1, 64] (as SGLang's profiler may write one, or one
+    measured on a smaller server) cannot bend where the truth does nor reach R = 16: the refit
+    adds the default grid up to the batches the rounds reached and comes within 8% everywhere.
+    The broken variant refits on the table's own probes only."""
+    seed = C.RoundCost(0.005, [1, 2], [0.0, 0.0004], [1, 64], [0.0, 0.01], [0.001, 0.002])
+    online = C.OnlineCost(seed)
+    _feed(online, 3000, random.Random(0))
+    assert _worst_error(online.cost) < 0.08, _worst_error(online.cost)
+    assert online.cost.bs_probes[-1] == 16 and online.cost.m_probes[-1] == 80
+    monkeypatch.setattr(C, "_knots", lambda probes, reached: list(probes))
+    broken = C.OnlineCost(seed)
+    _feed(broken, 3000, random.Random(0))
+    assert _worst_error(broken.cost) > 0.3, _worst_error(broken.cost)
+
+
 def test_a_seed_far_off_everywhere_is_replaced_not_defended():
     """A seed 6x too slow everywhere (measured on a loaded machine): every round looks like an
     outlier, and dropping them all would keep the wrong surface forever; once most recent rounds
