@@ -207,9 +207,12 @@ def measure_cost(
     """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
     requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
     writes deferred and dropped (the cache is not touched), and with a `drafter` its draft step
-    over the same R requests; one untimed warm-up each, best of two; stops once `budget_s` is
-    spent. Slot 0 is read for every request: its contents do not change the cost. The round's
-    other stages are learned online (cost.OnlineCost). `agree(flag) -> bool`: under TP the
+    over the same R requests; one untimed warm-up each, best of two. The four corners (fewest and
+    most requests, fewest and most rows) come first and always; the points between follow until
+    `budget_s` is spent, so a loaded machine interpolates between measured extremes instead of
+    extrapolating from small batches. Slot 0 is read for every request: its contents do not
+    change the cost. The round's other stages are learned online (cost.OnlineCost).
+    `agree(flag) -> bool`: under TP the
     forwards hold collectives, so every rank must stop after the same point: the stop is true
     everywhere once it is true on one rank (spec_sync.RankSync.any)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
@@ -230,24 +233,24 @@ def measure_cost(
                 best = dt if best is None else min(best, dt)
         return best
 
-    for R in Rs:
-        draft = 0.0
-        if drafter is not None:
-            draft = best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
-            drafts.append((R, draft))
-        stop = False
-        for k in ks:
-            segs = [Segment(0, start, k)] * R
-            ids = torch.zeros(R * k, dtype=torch.long, device=dev)
-            pos = torch.arange(start, start + k, device=dev).repeat(R)
-            t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
-            points.append((R, R * k, t + draft))
+    corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in (ks[0], ks[-1])))
+    order = corners + [(R, k) for R in Rs for k in ks if (R, k) not in corners]
+    draft_of = {}
+    for i, (R, k) in enumerate(order):
+        if R not in draft_of:
+            draft_of[R] = 0.0
+            if drafter is not None:
+                draft_of[R] = best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
+                drafts.append((R, draft_of[R]))
+        segs = [Segment(0, start, k)] * R
+        ids = torch.zeros(R * k, dtype=torch.long, device=dev)
+        pos = torch.arange(start, start + k, device=dev).repeat(R)
+        t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
+        points.append((R, R * k, t + draft_of[R]))
+        if i + 1 >= len(corners):
             spent = time.perf_counter() - t_begin > budget_s
-            stop = agree(spent) if agree is not None else spent
-            if stop:
+            if agree(spent) if agree is not None else spent:
                 break
-        if stop:
-            break
     source = f"measured at startup, {len(points)} points"
     cost = from_points(points, max_requests, max_requests * (gamma + 1), drafts or None, source=source)
     cost.points, cost.draft_points = [list(p) for p in points], [list(d) for d in drafts]

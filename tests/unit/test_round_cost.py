@@ -286,6 +286,19 @@ def shipped():
     return trunk, load_dspark_from_dir(TINY_MODEL_PATH, trunk.cfg)
 
 
+def test_the_startup_seed_measures_the_corners_whatever_the_budget(shipped):
+    """With no time to spare (a loaded machine) the seed still holds the fewest and the most
+    requests at the fewest and the most rows, so the largest batches are measured, not
+    extrapolated from small ones; with time, the points between are measured too."""
+    trunk, _ = shipped
+    cache = trunk.make_cache(1, 128, 5)
+    rushed = P.measure_cost(trunk, cache, 4, max_requests=16, budget_s=0.0)
+    assert sorted((r, m) for r, m, _ in rushed.points) == [(1, 1), (1, 5), (16, 16), (16, 80)]
+    assert all(t > 0 for *_, t in rushed.points) and rushed(16, 80) > rushed(1, 1)
+    full = P.measure_cost(trunk, cache, 4, max_requests=4, budget_s=60.0)
+    assert sorted((r, m) for r, m, _ in full.points) == [(R, R * k) for R in (1, 2, 4) for k in (1, 3, 5)]
+
+
 def test_greedy_with_skipped_drafts_equals_plain_decoding(shipped):
     """Greedy DSpark rounds with drafting skipped every other round emit exactly plain greedy
     decoding of the trained tiny model, the drafter is not called on skipped rounds, and the
