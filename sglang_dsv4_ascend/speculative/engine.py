@@ -189,6 +189,8 @@ class SpecEngine:
                 out.bonus.append(tok)
                 out.paths.append(path)
             self.cache.apply(pending, keep=tuple(keep))
+        if self.planner is not None:
+            self.planner.learn([a - 1 for a in out.accept_lens])
         if self.sync is not None and self.sync.checking:  # the debug switch: no work per round without it
             self.sync.check(
                 {

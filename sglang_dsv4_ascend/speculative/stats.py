@@ -1,7 +1,8 @@
 """Server-side speculative counters: per-stage wall time (engine.STAGES), rounds, drafted,
-verified and committed tokens, accepted drafts by position, rounds that skipped drafting, and per
-batch size the planner's predicted round time next to the measured one (so a user sees why it
-chose what it chose, and how far its cost surface is off). Aggregated over the worker's life;
+verified and committed tokens, accepted drafts by position, rounds that skipped drafting, the
+planner's confidence calibration (logit offset per draft position), and per batch size the
+planner's predicted round time next to the measured one (so a user sees why it chose what it
+chose, and how far its cost surface is off). Aggregated over the worker's life;
 SGLang prints `log_suffix()` in its decode log line and returns `snapshot()` in /get_server_info
 (internal_states[*].dspark_info_record), the same place its own DSpark worker reports to."""
 
@@ -21,6 +22,7 @@ class StageStats:
         self.verified_at = []
         self.accepted_at = []
         self.skipped_draft = 0
+        self.confidence_shift = None  # the planner's latest calibration offsets per draft position
         self.by_batch = {}  # R -> [rounds, predicted seconds, measured seconds] (rounds with a prediction)
 
     def add(self, res) -> None:
@@ -28,6 +30,7 @@ class StageStats:
         for k, v in res.timings.items():
             self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.skipped_draft += bool(res.plan.get("skipped_draft"))
+        self.confidence_shift = res.plan.get("confidence_shift", self.confidence_shift)
         if res.plan.get("predicted_seconds") is not None:
             row = self.by_batch.setdefault(len(res.trees), [0, 0.0, 0.0])
             row[0] += 1
@@ -64,6 +67,7 @@ class StageStats:
                 round(a / v, 4) if v else None for a, v in zip(self.accepted_at, self.verified_at)
             ],
             "skipped_draft_rounds": self.skipped_draft,
+            "confidence_shift": self.confidence_shift,
             "round_ms_by_batch": {
                 R: {"rounds": n, "predicted_ms": round(p * 1e3 / n, 3), "measured_ms": round(m * 1e3 / n, 3)}
                 for R, (n, p, m) in sorted(self.by_batch.items())

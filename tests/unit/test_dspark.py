@@ -290,7 +290,8 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     drawn from): caught. The 2400 samples come from 24 rounds of 100 requests in their own slots
     with the same prompt and bonus token: each request's first token follows p whatever the others
     draw (whether its draft 1 is verified depends on the lagged budget and the other requests'
-    draws, never on its own), so a round gives 100 independent samples."""
+    draws, never on its own), so a round gives 100 independent samples. The planner's confidence
+    calibration refits every other drafted round, so its offsets move throughout."""
     from sglang_dsv4_ascend.speculative import engine as E
 
     if wrong_q:
@@ -309,6 +310,7 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
     # a verify costs 0.01 s per request: each request trades its rows as a lone one would; in the
     # lossless variant every other round skips drafting (a plain decode step in between)
     planner = P.Planner(gamma, "adaptive", linear(0.0, 0.01, 0.001) if wrong_q else Alternating())
+    planner.calibration.every = 2  # confidences recalibrated from the rounds' outcomes throughout
     eng = dspark_engine(trunk, draft, n, gamma, planner, seed=3)
     cache = eng.cache
     prompt = list(range(3, 30))
@@ -328,6 +330,7 @@ def test_engine_sampling_with_the_real_draft_is_lossless(tiny, monkeypatch, wron
         skipped += r.plan["skipped_draft"]
     assert accepted > 0.05 * len(firsts), accepted
     assert skipped == (0 if wrong_q else rounds // 2)
+    assert bool(planner.calibration.shift.any())
     chi2, dof = _binned_chi2(torch.tensor(firsts), p)
     assert dof >= 10
     assert (chi2 < dof + 6 * (2 * dof) ** 0.5) != wrong_q, (chi2, dof)
