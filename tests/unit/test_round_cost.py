@@ -343,14 +343,24 @@ def test_calibrated_planner_verifies_what_pays_and_ranks_agree():
 # -- rounds that skip drafting, in the engine ---------------------------------------------------------
 
 
+_SHIPPED = {}
+
+
+def _shipped(dtype=torch.float32):
+    """The shipped trained tiny model and its DSpark draft in `dtype`, loaded once per module."""
+    if dtype not in _SHIPPED:
+        from sglang_dsv4_ascend import TINY_MODEL_PATH
+        from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
+        from sglang_dsv4_ascend.models.weights import load_model_from_dir
+
+        trunk = load_model_from_dir(TINY_MODEL_PATH, dtype=dtype)
+        _SHIPPED[dtype] = trunk, load_dspark_from_dir(TINY_MODEL_PATH, trunk.cfg, dtype=dtype)
+    return _SHIPPED[dtype]
+
+
 @pytest.fixture(scope="module")
 def shipped():
-    from sglang_dsv4_ascend import TINY_MODEL_PATH
-    from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
-    from sglang_dsv4_ascend.models.weights import load_model_from_dir
-
-    trunk = load_model_from_dir(TINY_MODEL_PATH)
-    return trunk, load_dspark_from_dir(TINY_MODEL_PATH, trunk.cfg)
+    return _shipped()
 
 
 def test_the_startup_seed_measures_the_corners_whatever_the_budget(shipped):
@@ -366,13 +376,15 @@ def test_the_startup_seed_measures_the_corners_whatever_the_budget(shipped):
     assert sorted((r, m) for r, m, _ in full.points) == [(R, R * k) for R in (1, 2, 4) for k in (1, 3, 5)]
 
 
-def test_greedy_with_skipped_drafts_equals_plain_decoding(shipped):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_with_skipped_drafts_equals_plain_decoding(dtype):
     """Greedy DSpark rounds with drafting skipped every other round emit exactly plain greedy
-    decoding of the trained tiny model, the drafter is not called on skipped rounds, and the
-    drafted rounds still accept drafts (so the draft state kept current through the skipped ones)."""
+    decoding of the trained tiny model, in fp32 and in the checkpoint's own bf16, the drafter is
+    not called on skipped rounds, and the drafted rounds still accept drafts (so the draft state
+    kept current through the skipped ones)."""
     from sglang_dsv4_ascend.batch import Segment
 
-    trunk, draft = shipped
+    trunk, draft = _shipped(dtype)
     gamma, n_new = 4, 24
     prompts = [[5, 17, 99, 3, 250, 8, 41, 7, 66], [12, 13, 14, 15, 16, 17, 18, 19]]
     want = plain_greedy(trunk, prompts, n_new, gamma + 1)
