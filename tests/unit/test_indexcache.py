@@ -12,7 +12,6 @@ freq-N oracle). freq 1 keeps today's module tree, cache layout and logits.
 import dataclasses
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,15 +20,11 @@ from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.config import DSV4Config
 from sglang_dsv4_ascend.models.trunk import DSV4Model
 from sglang_dsv4_ascend.models.weights import iter_checkpoint, load_released_weights
+from tests.oracles.hf import stable_topk
 
 ATOL = RTOL = 1e-4  # as test_model_vs_hf: fp32, observed ~5e-6
 T = 300
 SEED = {"flash": 12, "trained": 3}
-
-
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):  # HF with our tie order (test_model_vs_hf)
-    v, i = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return SimpleNamespace(values=v.narrow(dim, 0, k), indices=i.narrow(dim, 0, k))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +81,7 @@ def _hf_reusing(mp, hf_model, freq):
         return picks[source[layer_idx]]
 
     mp.setattr(m.DeepseekV4Indexer, "forward", forward)
-    mp.setattr(torch.Tensor, "topk", _stable_topk)
+    mp.setattr(torch.Tensor, "topk", stable_topk)
 
 
 def _hf_logits(hf_model, ids, freq):

@@ -16,7 +16,6 @@ every decision in these sequences has a relative margin >= 5e-5; `test_sequences
 keeps that true if the tiny checkpoint ever changes.
 """
 
-import collections
 import json
 import os
 
@@ -31,18 +30,11 @@ from sglang_dsv4_ascend.layers.compressor import Compressor
 from sglang_dsv4_ascend.layers.indexer import Indexer
 from sglang_dsv4_ascend.layers.moe import Gate
 from sglang_dsv4_ascend.layers.rope import inv_freq_for
+from tests.oracles.hf import stable_topk
 
 ATOL = RTOL = 1e-4  # fp32; observed max |diff| ~5e-6 on logits of magnitude ~5
 T = 300
 SEEDS = {"flash": 12, "pro": 26}  # token-id seeds without near-ties (see module docstring)
-
-_TopK = collections.namedtuple("_TopK", "values indices")
-_torch_topk = torch.Tensor.topk
-
-
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
-    v, i = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return _TopK(v.narrow(dim, 0, k), i.narrow(dim, 0, k))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +59,7 @@ def _ids(preset, n=T):
 def _hf_logits(hf, ids, stable_ties=True):
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         if stable_ties:
-            mp.setattr(torch.Tensor, "topk", _stable_topk)
+            mp.setattr(torch.Tensor, "topk", stable_topk)
         return hf(ids[None], use_cache=False).logits[0]
 
 
@@ -130,7 +122,7 @@ def test_incremental_matches_hf_cached_generate(dsv4_model, hf_model):
     model, hf, ids = dsv4_model("flash"), hf_model("flash"), _ids("flash", 262)
     cache = model.make_cache(1, 262)
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "topk", _stable_topk)
+        mp.setattr(torch.Tensor, "topk", stable_topk)
         pkv = DynamicCache(config=hf.config)
         ref = [hf(ids[None, :250], past_key_values=pkv, use_cache=True).logits[0]]
         for t in range(250, 262):
