@@ -91,6 +91,12 @@ def select(current_survival: torch.Tensor, K: int) -> list[int]:
     return lens
 
 
+def observed(verified: int, accepted: int) -> range:
+    """The draft positions (0-based) a request's round tested: verified, and every earlier draft
+    accepted. Position k was accepted iff k < accepted."""
+    return range(min(verified, accepted + 1))
+
+
 class Calibration:
     """Per-position confidence calibration learned from the rounds' own outcomes: c' =
     sigmoid(logit(c) + b_k) at draft position k. A confidence head can be biased in a way its
@@ -108,7 +114,7 @@ class Calibration:
     stays in (0, 1), so survivals stay non-increasing along each block (planner docstring)."""
 
     def __init__(self, gamma: int, keep: int = 1024, every: int = 16, prior: float = 8.0, agree=None):
-        self.gamma, self.every, self.prior, self.agree = gamma, every, prior, agree
+        self.every, self.prior, self.agree = every, prior, agree
         self.obs = [deque(maxlen=keep) for _ in range(gamma)]
         self.shift = torch.zeros(gamma, dtype=torch.float64)
         self.rounds = 0
@@ -123,7 +129,7 @@ class Calibration:
         """conf [R, gamma] this round's raw confidences; verified[r], accepted[r]: drafts."""
         z = torch.logit(conf.to(torch.float64).clamp(EPS, 1.0 - EPS)).tolist()
         for r, (l, a) in enumerate(zip(verified, accepted)):
-            for k in range(min(l, a + 1)):
+            for k in observed(l, a):
                 self.obs[k].append((z[r][k], k < a))
         self.rounds += 1
         if self.rounds % self.every == 0:
@@ -235,8 +241,9 @@ class Planner:
         else:
             K = (decision if decision is not None else self.decide(slots, gens)).budget
             lens = select(current, K)
-            self._verified = (conf.detach().to("cpu"), lens)
-            for slot, gen, row in zip(slots, gens, conf.detach().to("cpu", torch.float64)):
+            raw = conf.detach().to("cpu", torch.float64)
+            self._verified = (raw, lens)
+            for slot, gen, row in zip(slots, gens, raw):
                 h = self.history.setdefault(slot, {})
                 h[self.round] = (gen, row)
                 # keep from the latest record the next round may read on (bounded: LAG + 1 at most)
@@ -285,15 +292,14 @@ def measure_cost(
     `budget_s` is spent, so a loaded machine interpolates between measured extremes instead of
     extrapolating from small batches. Slot 0 is read for every request: its contents do not
     change the cost. The round's other stages are learned online (cost.OnlineCost).
-    `agree(flag) -> bool`: under TP the
-    forwards hold collectives, so every rank must stop after the same point: the stop is true
-    everywhere once it is true on one rank (spec_sync.RankSync.any)."""
+    `agree(flag) -> bool`: under TP the forwards hold collectives, so every rank must stop after
+    the same point: the stop is true everywhere once it is true on one rank (RankSync.any)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):
         Rs.append(Rs[-1] * 2)
     ks = sorted({1, gamma // 2 + 1, gamma + 1})
-    points, drafts, t_begin = [], [], time.perf_counter()
+    points, t_begin = [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
 
     def best_of(fn):
@@ -308,13 +314,10 @@ def measure_cost(
 
     corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in (ks[0], ks[-1])))
     order = corners + [(R, k) for R in Rs for k in ks if (R, k) not in corners]
-    draft_of = {}
+    draft_of = {}  # R -> seconds of its draft step (0 without a drafter), in measuring order
     for i, (R, k) in enumerate(order):
         if R not in draft_of:
-            draft_of[R] = 0.0
-            if drafter is not None:
-                draft_of[R] = best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
-                drafts.append((R, draft_of[R]))
+            draft_of[R] = 0.0 if drafter is None else best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
         segs = [Segment(0, start, k)] * R
         ids = torch.zeros(R * k, dtype=torch.long, device=dev)
         pos = torch.arange(start, start + k, device=dev).repeat(R)
@@ -324,6 +327,7 @@ def measure_cost(
             spent = time.perf_counter() - t_begin > budget_s
             if agree(spent) if agree is not None else spent:
                 break
+    drafts = list(draft_of.items()) if drafter is not None else []
     source = f"measured at startup, {len(points)} points"
     cost = from_points(points, max_requests, max_requests * (gamma + 1), drafts or None, source=source)
     cost.points, cost.draft_points = [list(p) for p in points], [list(d) for d in drafts]
