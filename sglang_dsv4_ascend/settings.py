@@ -127,6 +127,15 @@ ATTENTION = _setting(
     meaning="the batched forward (default) or the per-segment definition (attention per request; the oracle)",
     choices=("batched", "segments"),
 )
+COMPILE_BACKEND = _setting(
+    name="SGLANG_DSV4_COMPILE_BACKEND",
+    kind="choice",
+    default="inductor",
+    shape="inductor\\|aot_eager\\|eager",
+    meaning="what --enable-torch-compile on CPU compiles each captured decode with: inductor (default, "
+    "code generation), or only dynamo's trace (aot_eager, eager: fast capture, to debug or test the capture)",
+    choices=("inductor", "aot_eager", "eager"),
+)
 MAX_REQUEST_BYTES = _setting(
     name="SGLANG_DSV4_MAX_REQUEST_BYTES",
     kind="int",

@@ -9,12 +9,20 @@ geometry and the pools.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .. import settings
 from ..batch import DSV4ForwardMetadata, Segment
 from ..kvcache import plan as kv_plan
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+# SGLang never hands request slot 0 to a request (ReqToTokenPool's free list starts at 1): graph
+# runners point their padding rows at it.
+PADDING_SLOT = 0
 
 
 def _cpu_list(x) -> list:
@@ -63,6 +71,10 @@ class DSV4AscendBackend(AttentionBackend):
         self.build_plans = settings.ATTENTION.get() == "batched"
         self._slot_generation: dict = {}  # req slot -> SGLang's allocation generation we last saw
         self.resumed: list = []
+        self.graph_plans = None  # kvcache/plan.py PlanBuffers once a graph runner asks for graph state
+        self.graph_bs: set = set()  # captured decode batch sizes
+        self.graph_max_bs = 0
+        self._replayed: set = set()
 
     @property
     def cache(self):
@@ -70,15 +82,62 @@ class DSV4AscendBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch):
         """The forward's geometry, once: the segments and, for the batched path, every index table
-        the layers gather through (built on the host from CPU fields, then copied to the device)."""
+        the layers gather through (built on the host from CPU fields, then copied to the device).
+        A decode batch of a captured size gets its bucket's persistent plan (graph replay)."""
         segments = segments_from_batch(forward_batch)
+        static = forward_batch.forward_mode.is_decode() and forward_batch.batch_size in self.graph_bs
+        if static:  # the graph runner's padding rows (SGLang's reserved request slot) are not requests
+            segments = [s for s in segments if s.slot != PADDING_SLOT]
         if self.cache.prefix is not None:
             self._resume_prefix_hits(segments)
             self._want_hinted_states(segments, getattr(forward_batch, "rids", None))
         plan = None
-        if segments and self.build_plans:
+        if static:
+            bucket = kv_plan.Bucket(forward_batch.batch_size, 1)
+            plan = self.graph_plans.load(segments, bucket)
+            if bucket not in self._replayed:
+                self._replayed.add(bucket)
+                logger.info("dsv4_ascend: first replay of the captured decode, batch size %d", bucket.rows)
+        elif segments and self.build_plans:
             plan = kv_plan.build_plan(segments, self.cache)
         self.forward_metadata = DSV4ForwardMetadata(segments, plan)
+
+    # Graph capture through SGLang's graph runners (CPUGraphRunner: torch.compile per batch size;
+    # the CUDA / NPU runners: device graphs). A captured decode step reads one persistent plan per
+    # batch size (kvcache/plan.py PlanBuffers), refreshed in place before every replay by
+    # `init_forward_metadata`, which every runner calls outside the captured region. Only the
+    # non-speculative decode is captured here; the speculative worker runs eager.
+
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
+        if not self.build_plans:
+            raise ValueError(
+                f"graph capture needs the batched attention path; unset {settings.ATTENTION.name}=segments "
+                "or run without --enable-torch-compile"
+            )
+        self.graph_plans = kv_plan.PlanBuffers(self.cache)
+        self.graph_max_bs = max_bs
+
+    init_cuda_graph_state = init_cpu_graph_state
+
+    def init_forward_metadata_capture_cpu_graph(
+        self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc, encoder_lens, forward_mode, spec_info
+    ):
+        """Capture of batch size `bs`: every row is padding (the runner fills the reserved slot)."""
+        if not forward_mode.is_decode() or num_tokens != bs:
+            raise ValueError(f"dsv4_ascend captures decode batches only (one row per request), got {forward_mode}")
+        self.graph_bs.add(bs)
+        self.forward_metadata = DSV4ForwardMetadata([], self.graph_plans.load([], kv_plan.Bucket(bs, 1)))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """The CUDA / NPU graph runners' host step (unverified on those devices: no such runner has
+        run this backend)."""
+        bs = forward_batch.batch_size
+        if in_capture:
+            self.init_forward_metadata_capture_cpu_graph(
+                bs, bs, None, None, None, None, forward_batch.forward_mode, forward_batch.spec_info
+            )
+        else:
+            self.init_forward_metadata(forward_batch)
 
     def _resume_prefix_hits(self, segments) -> None:
         """A request slot SGLang allocated since we last saw it, whose first segment starts past
@@ -113,9 +172,6 @@ class DSV4AscendBackend(AttentionBackend):
 
     # What SGLang's DP-attention padding fills the dummy requests' seq_lens with on CPU.
     get_cpu_graph_seq_len_fill_value = get_cuda_graph_seq_len_fill_value
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        raise NotImplementedError("dsv4_ascend has no graph capture yet; run with graphs disabled")
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
         raise NotImplementedError(

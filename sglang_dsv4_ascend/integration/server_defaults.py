@@ -38,6 +38,8 @@ from ..names import (
 )
 
 logger = logging.getLogger("sglang_dsv4_ascend")
+SGLANG_COMPILE_MAX_BS = 32  # SGLang's default --torch-compile-max-bs (taken as "not set")
+CPU_GRAPH_MAX_BS = 4  # our default on CPU: batch sizes 1..4, each compiled at startup
 
 
 def _raw(server_args, name):
@@ -127,6 +129,7 @@ def unsupported_settings(server_args, hf=None) -> list[str]:
         "--disable-radix-cache",
     )
     out += speculative_problems(cfg)
+    out += graph_problems(cfg, server_args)
     for flag, name in (
         ("--cuda-graph-backend-decode", "cuda_graph_backend_decode"),
         ("--cuda-graph-backend-prefill", "cuda_graph_backend_prefill"),
@@ -251,23 +254,79 @@ def _checkpoint_lacks_draft(model_path, kind: str) -> str | None:
     )
 
 
-def _graphs_disabled(server_args) -> dict:
-    """Declarations that turn graph capture off (an NPU or GPU platform turns it on): the
-    dsv4_ascend backend has no graph state yet, so capture would fail at startup."""
+def graph_problems(cfg, server_args) -> list[str]:
+    """Graph capture on CPU (SGLang's CPU graph runner under --enable-torch-compile) covers the
+    non-speculative decode on one rank; what it does not cover is refused by flag."""
+    if cfg.device != "cpu" or not cfg.enable_torch_compile or _graphs_turned_off(server_args):
+        return []
+    out = []
+    if cfg.speculative_algorithm:
+        out.append(
+            f"--enable-torch-compile with --speculative-algorithm {cfg.speculative_algorithm}: the speculative "
+            "worker's verify and draft forwards are not captured yet (only the plain decode is); drop "
+            "--enable-torch-compile (or pass --disable-cuda-graph) to serve speculation eager"
+        )
+    dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
+    if cfg.tp_size > 1 or dp > 1 or cfg.enable_dp_attention:
+        out.append(
+            f"--enable-torch-compile with --tp-size {cfg.tp_size}"
+            + (" --enable-dp-attention" if dp > 1 or cfg.enable_dp_attention else "")
+            + ": captured DeepSeek-V4 decode is verified on one rank only; supported: --tp-size 1"
+        )
+    bs = _raw(server_args, "cuda_graph_bs_decode")
+    cap = cfg.max_running_requests or CPU_DSV4_MAX_RUNNING_REQUESTS
+    if bs and (min(bs) < 1 or max(bs) > cap):
+        out.append(
+            f"--cuda-graph-bs-decode {' '.join(map(str, bs))}: decode batch sizes must be within 1.."
+            f"{cap} (--max-running-requests); a larger one would never run and its capture costs minutes"
+        )
+    return out
+
+
+def _graphs_turned_off(server_args) -> bool:
+    return bool(_raw(server_args, "disable_cuda_graph") or _raw(server_args, "disable_decode_cuda_graph"))
+
+
+def _graph_declarations(server_args) -> dict:
+    """On CPU: decode graphs (SGLang's CPU graph runner, torch.compile per batch size) when
+    --enable-torch-compile is given, off when --disable-cuda-graph is, with a short default list
+    of batch sizes (each one is compiled at startup). Elsewhere: graph capture off (the NPU and
+    CUDA graph runners have never run the dsv4_ascend backend)."""
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     cfg = resolving_view(server_args)
+    out = {}
+    if cfg.device == "cpu" and cfg.enable_torch_compile and _graphs_turned_off(server_args):
+        logger.info("dsv4_ascend: --disable-cuda-graph: decode graphs off, --enable-torch-compile ignored")
+        out["enable_torch_compile"] = False
+    elif cfg.device == "cpu" and cfg.enable_torch_compile:
+        if _raw(server_args, "cuda_graph_bs_decode") is None and cfg.torch_compile_max_bs == SGLANG_COMPILE_MAX_BS:
+            # SGLang's CPU list (1..16, then every 2nd, 4th, 8th up to 32) would compile 24 sizes.
+            n = min(CPU_GRAPH_MAX_BS, cfg.max_running_requests or CPU_DSV4_MAX_RUNNING_REQUESTS)
+            out["torch_compile_max_bs"] = n
+            sizes = list(range(1, n + 1))
+            out["cuda_graph_config"] = with_phase(cfg.cuda_graph_config, Phase.DECODE, bs=sizes, max_bs=n)
+        logger.info(
+            "dsv4_ascend: decode graphs on CPU (torch.compile per batch size up to %s; each is compiled at "
+            "startup: --cuda-graph-bs-decode to choose them, --disable-cuda-graph to run eager)",
+            out.get("torch_compile_max_bs", cfg.torch_compile_max_bs),
+        )
+        return out
+    # The phase backends only steer the NPU / CUDA runners (on CPU capture follows
+    # --enable-torch-compile alone); declared off everywhere else so the resolved settings say so.
     graphs = cfg.cuda_graph_config
     if graphs is None or all(getattr(graphs, p).backend == Backend.DISABLED for p in Phase.ALL):
-        return {}
+        return out
     for phase in Phase.ALL:
         graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
-    logger.info(
-        "dsv4_ascend: graph capture disabled for DeepSeek-V4 (the dsv4_ascend backend runs eager "
-        "until its graph support lands)"
-    )
-    return {"cuda_graph_config": graphs, "disable_cuda_graph": True}
+    if cfg.device != "cpu":
+        logger.info(
+            "dsv4_ascend: graph capture disabled for DeepSeek-V4 on %s (SGLang's graph runner there has not "
+            "run the dsv4_ascend backend; CPU graphs: --enable-torch-compile)",
+            cfg.device,
+        )
+    return {**out, "cuda_graph_config": graphs, "disable_cuda_graph": True}
 
 
 def model_adjustments(server_args, previous):
@@ -315,7 +374,7 @@ def model_adjustments(server_args, previous):
     # SGLang's DeepSeek-V4 step turns "auto" into fp8_e4m3 (bfloat16 on NPU) for its own pools;
     # ours keep the model dtype, so the resolved value says so.
     decl["kv_cache_dtype"] = "auto"
-    decl.update(_graphs_disabled(server_args))
+    decl.update(_graph_declarations(server_args))
     if cfg.device == "cpu" and "context_length" in decl:
         logger.info(
             "dsv4_ascend on CPU: context_length=%s max_running_requests=%s (pass the flags to change)",

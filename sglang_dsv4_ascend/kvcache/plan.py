@@ -132,14 +132,13 @@ class WriteLists:
         """The prefix states this store completes (prefix_state.py), reserved on the first store
         that uses these lists: a variant that is never stored (the whole-forward lists of a
         verify whose rows get rejected) must not claim states it never writes."""
-        if cache.prefix is None or not self.state_segs:
+        # A bucket plan saves none (same ops every step); the boundaries it completes were
+        # forgotten when it was built. Tested first: a captured forward must not read the host
+        # list below, which changes every step.
+        if self.static or cache.prefix is None or not self.state_segs:
             return None
         if self._states is None:
-            if self.static:  # host-side only: forget what these pages' slots held before
-                cache.prefix.forget_boundaries(self.state_segs, cache.key_slots)
-                self._states = (None,)
-            else:
-                self._states = (cache.state_lists(self.state_segs, device=self.swa_src.device),)
+            self._states = (cache.state_lists(self.state_segs, device=self.swa_src.device),)
         return self._states[0]
 
 
@@ -225,7 +224,13 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
             pad_slot=cache.pad_slot,
         ),
     )
-    plan.writes()  # the store-everything lists, now: host work belongs before the forward
+    # The store-everything lists and the zeros, now: host work belongs before the forward, and a
+    # captured forward must find the plan as it will always be.
+    lists = plan.writes()
+    plan.zeros()
+    if bucket is not None and cache.prefix is not None and lists.state_segs:
+        # host-side only: forget what the pages this step completes held before
+        cache.prefix.forget_boundaries(lists.state_segs, cache.key_slots)
     return plan
 
 
@@ -338,3 +343,58 @@ def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
         (int(sl), int(L), int(k), int(f)) for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0
     ]
     return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None)
+
+
+class PlanBuffers:
+    """One persistent plan per bucket, for graph capture: a captured forward reads its plan's
+    tensors at the addresses it saw when captured (a device graph replays those addresses; a
+    compiled function is traced against those objects), so each step's plan is built on the host
+    as usual and then copied into the bucket's buffers, and the forward gets the same plan object
+    with the same tensors every time. Everything a forward reads is refreshed in place; host-side
+    fields (segments, write bookkeeping) are rebound. Allocated for a bucket the first time it
+    is loaded (at capture)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.plans: dict = {}  # Bucket -> ForwardPlan whose tensors are the static buffers
+
+    def load(self, segments, bucket: Bucket, device=None) -> ForwardPlan:
+        fresh = build_plan(segments, self.cache, device=device, bucket=bucket)
+        static = self.plans.get(bucket)
+        if static is None:
+            self.plans[bucket] = fresh
+            return fresh
+        _refresh(static, fresh)
+        return static
+
+
+def _refresh(static, fresh) -> None:
+    """Copy `fresh` (a plan of the same bucket) into `static` field by field: tensors in place
+    (same shapes by construction of the bucket), host values rebound."""
+    if isinstance(static, ForwardPlan):
+        static.segments, static.n_real, static.cpu = fresh.segments, fresh.n_real, fresh.cpu
+        for name in ("row_slot", "row_pos", "row_seg", "row_start", "swa_com", "swa_com_lo", "swa_com_hi"):
+            _copy(getattr(static, name), getattr(fresh, name), name)
+        for name in ("swa_fresh", "swa_fresh_lo", "swa_fresh_hi"):
+            _copy(getattr(static, name), getattr(fresh, name), name)
+        for r, rp in static.ratios.items():
+            _refresh(rp, fresh.ratios[r])
+        s, f = static.writes(), fresh.writes()
+        _copy(s.swa_src, f.swa_src, "swa_src")
+        _copy(s.swa_dst, f.swa_dst, "swa_dst")
+        for r in s.rows:
+            for a, b in zip(s.rows[r] + s.entries[r], f.rows[r] + f.entries[r]):
+                _copy(a, b, f"writes[{r}]")
+        s.state_segs = f.state_segs
+        return
+    # RatioPlan: slot_entries is a view of the token slots, the same storage every step
+    static.ent_seg_cpu, static.ent_j_cpu = fresh.ent_seg_cpu, fresh.ent_j_cpu
+    names = ("ent_j", "ent_row", "blk_ring", "blk_fresh", "blk_from_ring", "blk_ok", "com_hi", "new_table", "new_hi")
+    for name in names:
+        _copy(getattr(static, name), getattr(fresh, name), name)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise RuntimeError(f"PlanBuffers: {name} has shape {tuple(src.shape)}, its buffer {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -20,6 +20,24 @@ from ..ops.reference import pad_rows
 from . import SMALL_M, Linear
 
 
+@torch.library.custom_op("sglang_dsv4::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm; traced as an opaque op, since its shape function accepts only 16-bit
+    inputs while the kernel (and the fp32 test models) take fp32 too."""
+    if torch.compiler.is_compiling() and x.dtype == torch.float32:
+        return _grouped_mm_op(x, w, offs)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
 class Expert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float, dtype=None, device=None):
         super().__init__()
@@ -102,9 +120,12 @@ class MoE(nn.Module):
             # training (tools/train_tiny.py): the grouped path reads stacked copies of the weights
             # that autograd does not connect to the parameters
             return self.forward_per_expert(y, input_ids)
-        first = self.experts[str(self.local.start)]
-        if self._stacked is None or self._stacked[0].data_ptr() != first.w1.weight.data_ptr():
-            self.stack_experts()
+        # A captured graph reads the stacks it was traced with (stacked by the eager warm-up run
+        # before capture), and a data-pointer test cannot be traced.
+        if not torch.compiler.is_compiling():
+            first = self.experts[str(self.local.start)]
+            if self._stacked is None or self._stacked[0].data_ptr() != first.w1.weight.data_ptr():
+                self.stack_experts()
         w1, w3, w2 = self._stacked
         experts, weights = self.gate(y, input_ids)
         T, k = experts.shape
@@ -135,11 +156,11 @@ class MoE(nn.Module):
             x = x.new_zeros(size, x.shape[1]).index_copy_(0, pos, x)
             offs = torch.cumsum(padded, 0).to(torch.int32)
         h = ops.swiglu_clamped(
-            torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
-            torch._grouped_mm(x, w3.transpose(1, 2), offs=offs),
+            grouped_mm(x, w1.transpose(1, 2), offs),
+            grouped_mm(x, w3.transpose(1, 2), offs),
             self.limit,
         )
-        routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        routed = grouped_mm(h, w2.transpose(1, 2), offs)
         if pos is not None:
             routed = routed[pos]
         routed = routed.float() * weights.flatten()[order, None]

@@ -146,19 +146,26 @@ class DSV4Model(nn.Module):
         "layer_streams" ({layer id: its output streams} for the ids in aux["layer_ids"], DSpark's
         target features; only those are kept).
         `plan`: the batched path's geometry (kvcache/plan.py build_plan; built here from
-        the segments when absent). With `self.attention_impl = "segments"` every layer runs the
+        the segments when absent). With a bucket plan (graph capture) `segments` is ignored: the
+        plan's own are checked. With `self.attention_impl = "segments"` every layer runs the
         per-segment definition instead (the oracle; SGLANG_DSV4_ATTENTION=segments).
         `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
         tokens too (distributed/dp_exchange.py; built here from the layout when not given); this
         forward may then have no rows at all."""
-        check_batch(
-            input_ids,
-            positions,
-            segments,
-            cache,
-            padded_to=plan.T if plan is not None and plan.bucket else None,
-            deferred=pending is not None,
-        )
+        static = plan is not None and plan.bucket is not None
+        if not torch.compiler.is_compiling():  # host checks; a captured step's plan was checked when built
+            check_batch(
+                input_ids,
+                positions,
+                plan.segments if static else segments,
+                cache,
+                padded_to=plan.T if static else None,
+                deferred=pending is not None,
+            )
+        if static:
+            # A static (bucket) plan is all the layers read, and a captured forward must not see
+            # the request list: a traced function would be specialised on its length.
+            segments = ()
         if plan is None and self.attention_impl == "batched":
             plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         # The request boundary refuses such ids (integration/request_guard.py); this is the last line, without a
@@ -211,7 +218,9 @@ def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=
         )
     # Checked where it costs nothing (CPU tensors); on a device it would be a host sync per forward.
     if positions.device.type == "cpu":
-        expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]) if segments else positions
+        expected = positions[:0]
+        if segments:
+            expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         if not torch.equal(positions[:total], expected):
             raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
     for s in segments:

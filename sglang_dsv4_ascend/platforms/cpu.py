@@ -34,8 +34,9 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "cpu"
     device_type = "cpu"
-    # No Triton launches on CPU: SGLang then uses its torch-native allocator and writers.
-    capabilities = PlatformCapabilities()
+    # No Triton launches on CPU: SGLang then uses its torch-native allocator and writers. Graph
+    # capture: SGLang's CPU graph runner under --enable-torch-compile (get_graph_runner_cls).
+    capabilities = PlatformCapabilities(graph_capture=True)
 
     def get_device(self, device_id: int = 0):
         # SGLang formats and compares this as a string in several places.
@@ -109,6 +110,11 @@ class CpuReferencePlatform(CpuDeviceMixin, SRTPlatform):
         from sglang_dsv4_ascend.speculative.worker import worker_cls_for
 
         return worker_cls_for(algorithm)
+
+    def get_graph_runner_cls(self):
+        from sglang_dsv4_ascend.integration.graph_runner import cpu_graph_runner_cls
+
+        return cpu_graph_runner_cls()
 
     def get_kv_pool_cls(self, *, kind):
         if kind == "mha":

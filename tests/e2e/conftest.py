@@ -161,6 +161,7 @@ SCHEDULE = [
     ("nextn", "test_dsv4_serving.py"),
     ("nextn", "test_platform_serving.py"),
     ("nextn", "test_dsv4_bad_input.py"),
+    ("nextn", "test_graph_serving.py"),
     # the shipped model in bf16 (its own servers: one reference, every method)
     ("bf16", "test_bf16_lossless.py"),
 ]

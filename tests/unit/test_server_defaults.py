@@ -37,8 +37,10 @@ RESOLVE = textwrap.dedent("""
                 "max_running_requests", "context_length", "disable_radix_cache", "radix_cache_backend",
                 "disable_cuda_graph",
                 "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps",
-                "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size", "enable_dp_lm_head")}
-                | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend]})
+                "speculative_num_draft_tokens", "disable_overlap_schedule", "tp_size", "ep_size", "enable_dp_lm_head",
+                "enable_torch_compile", "torch_compile_max_bs")}
+                | {"graphs": [v.cuda_graph_config.decode.backend, v.cuda_graph_config.prefill.backend],
+                   "decode_bs": v.cuda_graph_config.decode.bs})
         except Exception as e:
             out.append({"error": f"{type(e).__name__}: {e}"})
     print("RESULT " + json.dumps(out))
@@ -155,6 +157,12 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "no_radix": ["--disable-radix-cache"],
         "deterministic": ["--enable-deterministic-inference"],
         "other_radix_backend": ["--radix-cache-backend", "flexkv"],
+        "compile": ["--enable-torch-compile"],
+        "compile_bs": ["--enable-torch-compile", "--cuda-graph-bs-decode", "1", "3"],
+        "compile_off": ["--enable-torch-compile", "--disable-cuda-graph"],
+        "compile_bs_big": ["--enable-torch-compile", "--cuda-graph-bs-decode", "2", "64"],
+        "compile_nextn": ["--enable-torch-compile", "--speculative-algorithm", "nextn"],
+        "compile_tp2": ["--enable-torch-compile", "--tp-size", "2"],
     }
     cases = {**{k: [*flash, *v] for k, v in cases.items()}, **others}
     results, log = resolve(None, list(cases.values()))
@@ -171,6 +179,19 @@ def test_defaults_on_cpu(cpu_results):
     # the prefix cache is on, through the plugin's tree (hits resume from saved prefix states)
     assert d["disable_radix_cache"] is False and d["radix_cache_backend"] == "dsv4_ascend"
     assert r["no_radix"]["disable_radix_cache"] is True  # --disable-radix-cache is honoured
+
+
+def test_cpu_graphs_follow_enable_torch_compile_and_disable_cuda_graph(cpu_results):
+    """On CPU, SGLang's CPU graph runner captures iff --enable-torch-compile; DeepSeek-V4 gets a short
+    default list of batch sizes (each is compiled at startup), a user's list is kept, and
+    --disable-cuda-graph turns capture off whatever else is passed."""
+    r, log = cpu_results
+    assert r["default"]["enable_torch_compile"] is False
+    c = r["compile"]
+    assert c["enable_torch_compile"] is True and c["torch_compile_max_bs"] == 4 and c["decode_bs"] == [1, 2, 3, 4], c
+    assert r["compile_bs"]["decode_bs"] == [1, 3] and r["compile_bs"]["enable_torch_compile"] is True
+    assert r["compile_off"]["enable_torch_compile"] is False, r["compile_off"]
+    assert "--disable-cuda-graph: decode graphs off" in log
 
 
 def test_prefix_cache_stays_on_under_speculation(cpu_results):
@@ -216,6 +237,9 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
         ("graph_explicit", "--cuda-graph-backend-decode full: graph capture is not supported"),
         ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
         ("deterministic", "--enable-deterministic-inference: SGLang's deterministic mode"),
+        ("compile_bs_big", "--cuda-graph-bs-decode 2 64: decode batch sizes must be within 1..16"),
+        ("compile_nextn", "--enable-torch-compile with --speculative-algorithm nextn: the speculative worker's"),
+        ("compile_tp2", "--enable-torch-compile with --tp-size 2: captured DeepSeek-V4 decode is verified on one"),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(cpu_results, case, flag):

@@ -14,6 +14,7 @@ need when they run.
 from __future__ import annotations
 
 from . import (
+    cpu_compile_fake_ops,
     cpu_dp_attention_sync,
     cpu_spec_assign_slots,
     cpu_spec_last_loc,
@@ -48,4 +49,5 @@ HOOKS = [
     cpu_dp_attention_sync.HOOK,
     generate_stream_refusals.HOOK,
     spec_accept_length_from_rounds.HOOK,
+    cpu_compile_fake_ops.HOOK,
 ]

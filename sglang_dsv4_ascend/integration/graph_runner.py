@@ -1,0 +1,48 @@
+"""The decode graph runner of the CPU reference platform: SGLang's own `CPUGraphRunner`
+(torch.compile per captured batch size under `--enable-torch-compile`), handed to SGLang through
+the platform seam `get_graph_runner_cls` (an out-of-tree platform must name one for capture to
+run). It changes one thing: the compiler, from SGLANG_DSV4_COMPILE_BACKEND (inductor by default,
+as SGLang compiles; dynamo's trace alone to debug a capture or to test one quickly), and it logs
+each batch size's capture time.
+
+What makes DeepSeek-V4 capturable is in the backend and the model, not here: one persistent
+plan per batch size refreshed before every replay (attention_backend/backend.py,
+kvcache/plan.py PlanBuffers), and a forward that reads only that plan's tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import settings
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+_CLS = None
+
+
+def cpu_graph_runner_cls():
+    global _CLS
+    if _CLS is None:
+        from sglang.srt.model_executor.cpu_graph_runner import CPUGraphRunner
+
+        class DSV4CPUGraphRunner(CPUGraphRunner):
+            def capture_one_batch_size(self, bs, forward, skip_cross_attention=False):
+                compiler = settings.COMPILE_BACKEND.get()
+                if self.enable_torch_compile and compiler != "inductor":
+                    forward = torch.compile(
+                        torch.no_grad()(self.model_runner.model.forward), dynamic=False, backend=compiler
+                    )
+                tic = time.perf_counter()
+                out = super().capture_one_batch_size(bs, forward, skip_cross_attention)
+                logger.info(
+                    "dsv4_ascend: decode batch size %d captured (torch.compile, %s) in %.1f s",
+                    bs,
+                    compiler,
+                    time.perf_counter() - tic,
+                )
+                return out
+
+        _CLS = DSV4CPUGraphRunner
+    return _CLS

@@ -1,0 +1,50 @@
+"""Decode captured through SGLang's own CPU graph runner (`--enable-torch-compile`): a real server
+serves DeepSeek-V4 with captured decode steps, and its greedy output equals plain in-process
+decoding token for token, alone and with requests joining and leaving (batches of the captured
+sizes, padded ones, and one larger than the largest captured size, which runs eager).
+
+The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager): what is tested here is
+the capture, the static plans and the replay through SGLang's runner; the code generator
+(inductor) is held to eager in process by tests/unit/test_graph_inductor.py."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prompts import load_prompts
+
+from tests.oracles.decode import plain_greedy
+
+pytestmark = pytest.mark.e2e
+
+LENGTHS = (6, 9, 12, 15, 18)  # five requests at once, finishing one by one: batches 5, 4, 3, 2, 1
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("flash", "dspark")
+
+
+def test_captured_decode_equals_plain_decoding(ckpt, servers):
+    from transformers import AutoTokenizer
+
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    prompts = [tok(t).input_ids[:150] for t in load_prompts("gsm8k", 3) + load_prompts("mt-bench", 2)]
+    want = plain_greedy(load_model_from_dir(ckpt), prompts, max(LENGTHS))
+    srv = servers.get(
+        ckpt,
+        "--enable-torch-compile",
+        "--cuda-graph-bs-decode",
+        "2",
+        "4",
+        env={"SGLANG_DSV4_COMPILE_BACKEND": "eager"},
+    )
+    assert srv.generate(prompts[0], 12, ignore_eos=True)["output_ids"] == want[0][:12]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(lambda a: srv.generate(a[0], a[1], ignore_eos=True)["output_ids"], zip(prompts, LENGTHS)))
+    assert got == [w[:n] for w, n in zip(want, LENGTHS)]
+    log = srv.log_tail(400)
+    assert "Capture target decode CPU graph end" in log and "bs=[2, 4]" in log, log
+    for bs in (2, 4):  # each captured size was replayed, exact and padded (1 request to 2, 3 to 4)
+        assert f"first replay of the captured decode, batch size {bs}" in log, log

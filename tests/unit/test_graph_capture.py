@@ -1,0 +1,171 @@
+"""Graph capture of the non-speculative decode through the dsv4_ascend backend's graph protocol
+(attention_backend/backend.py, kvcache/plan.py PlanBuffers), driven here the way SGLang's graph
+runners drive it: capture per batch size with every row padding (request slot 0), then for each
+step pad the batch up to the next captured size, refresh the metadata outside the captured region
+and replay.
+
+Two kinds of replay:
+* `torch.compile` (what SGLang's CPUGraphRunner does; dynamo's "eager" backend here, so the test
+  checks tracing and guards, not the code generator: tests/unit/test_graph_inductor.py does that);
+* an address graph: the forward run on the plan object recorded at capture, whatever the backend
+  holds now, as a CUDA / ACL graph reads the addresses it recorded. It catches metadata that is
+  not refreshed in place.
+
+The oracle is the eager, unpadded forward on a twin cache: logits of the real rows and every
+request's final cache state."""
+
+import bisect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang_dsv4_ascend.attention_backend.backend import PADDING_SLOT, DSV4AscendBackend
+from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.kvcache import plan as kv_plan
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+SLOTS = 6  # slot 0 is SGLang's reserved padding slot; requests use 1..5
+CAPTURE_BS = (1, 2, 4)
+
+
+def _backend(model, cache):
+    runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_generation=torch.zeros(SLOTS, dtype=torch.long)),
+        token_to_kv_pool=SimpleNamespace(cache=cache),
+    )
+    return DSV4AscendBackend(runner)
+
+
+def _prefill(model, cache, contexts):
+    for slot, L in contexts.items():
+        ids = (torch.arange(L) * 13 + slot) % 1000
+        model(ids, torch.arange(L), [Segment(slot, 0, L)], cache)
+
+
+class Runner:
+    """What SGLang's graph runners do around the backend (cpu_graph_runner.CPUGraphRunner)."""
+
+    def __init__(self, model, backend, graph: str):
+        self.model, self.backend, self.graph = model, backend, graph
+        backend.init_cpu_graph_state(max(CAPTURE_BS), max(CAPTURE_BS))
+        self.fn = torch.compile(self._step, dynamic=False, backend="eager") if graph == "compile" else self._step
+        self.recorded = {}
+        for bs in CAPTURE_BS:
+            backend.init_forward_metadata_capture_cpu_graph(bs, bs, None, None, None, None, ForwardMode.DECODE, None)
+            self.recorded[bs] = backend.forward_metadata.plan  # what a device graph would read
+            for _ in range(2):  # warm-up and capture runs: padding rows only
+                self.fn(torch.zeros(bs, dtype=torch.long), torch.zeros(bs, dtype=torch.long), bs)
+
+    def _step(self, ids, pos, bs):
+        meta = self.backend.forward_metadata
+        plan = self.recorded[bs] if self.graph == "address" else meta.plan
+        return self.model.compute_logits(self.model(ids, pos, (), self.backend.cache, plan=plan))
+
+    def decode(self, slots, contexts, ids):
+        n = len(slots)
+        bs = CAPTURE_BS[bisect.bisect_left(CAPTURE_BS, n)]
+        pad = bs - n
+        seq_lens = torch.tensor([contexts[s] + 1 for s in slots] + [1] * pad)
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            req_pool_indices=torch.tensor(list(slots) + [PADDING_SLOT] * pad),
+            seq_lens=seq_lens,
+            seq_lens_cpu=None,  # the runner's captured batch has none: positions are read
+            positions=seq_lens - 1,
+        )
+        self.backend.init_forward_metadata(batch)
+        padded = torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
+        return self.fn(padded, batch.positions, bs)[:n]
+
+
+def _schedule(steps):
+    """Requests joining and leaving: batch sizes 1..4 (three buckets, padding in most)."""
+    live = [[1], [1, 2], [2, 1, 3], [1, 3, 4, 2], [4, 2], [5, 4, 2], [3], [1, 2, 3, 4]]
+    return [live[i % len(live)] for i in range(steps)]
+
+
+def _run(model, graph, steps, contexts, monkeypatch=None, after_warmup=None):
+    graph_cache, twin = model.make_cache(SLOTS, 640), model.make_cache(SLOTS, 640)
+    for c in (graph_cache, twin):
+        _prefill(model, c, contexts)
+    runner = Runner(model, _backend(model, graph_cache), graph)
+    if after_warmup is not None:
+        after_warmup()
+    ctx = dict(contexts)
+    worst = 0.0
+    for slots in _schedule(steps):
+        ids = torch.tensor([(ctx[s] * 7 + s) % 1000 for s in slots])
+        got = runner.decode(slots, ctx, ids)
+        pos, segs = torch.tensor([ctx[s] for s in slots]), [Segment(s, ctx[s], 1) for s in slots]
+        want = model.compute_logits(model(ids, pos, segs, twin))
+        worst = max(worst, (got - want).abs().max().item())
+        for s in slots:
+            ctx[s] += 1
+    state = max(
+        (v - twin.slot_state(s)[k]).abs().max().item() for s in contexts for k, v in graph_cache.slot_state(s).items()
+    )
+    return worst, state, runner
+
+
+CONTEXTS = {1: 300, 2: 126, 3: 7, 4: 511, 5: 64}  # C4 and C128 boundaries crossed during the run
+
+
+@pytest.mark.parametrize("graph", ["compile", "address"])
+def test_replay_equals_eager_across_buckets_joins_and_leaves(dsv4_model, graph, monkeypatch):
+    """100 steps; contexts and the batch's requests change every step. Compiled: after warm-up
+    the traced forward must guard on nothing but the bucket (dynamo raises on a recompile once
+    error_on_recompile is set)."""
+    torch._dynamo.reset()
+
+    def strict():
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+
+    logits, state, runner = _run(dsv4_model("pro"), graph, 100, CONTEXTS, after_warmup=strict)
+    assert logits < 1e-4 and state < 1e-4
+    # every captured size kept one plan, and its tensors are the ones recorded at capture
+    assert set(runner.backend.graph_plans.plans) == {kv_plan.Bucket(bs, 1) for bs in CAPTURE_BS}
+    for bs, plan in runner.recorded.items():
+        assert runner.backend.graph_plans.plans[kv_plan.Bucket(bs, 1)] is plan
+
+
+def test_a_fresh_plan_at_replay_is_caught(dsv4_model, monkeypatch):
+    """Broken variant: each step's plan built anew instead of copied into the captured buffers. A
+    compiled function would not notice; a device graph replays the captured plan (all padding)."""
+
+    def fresh(self, segments, bucket, device=None):
+        plan = kv_plan.build_plan(segments, self.cache, device=device, bucket=bucket)
+        self.plans.setdefault(bucket, plan)
+        return plan
+
+    monkeypatch.setattr(kv_plan.PlanBuffers, "load", fresh)
+    logits, state, _ = _run(dsv4_model("flash"), "address", 6, CONTEXTS)
+    assert logits > 1e-3 and state > 1e-3
+
+
+def test_stale_write_lists_from_an_earlier_batch_are_caught(dsv4_model, monkeypatch):
+    """Broken variant: the refresh leaves the write lists of the step that first filled the
+    buffers (another batch's rows), so this step's rows are stored where that one's went."""
+    real = kv_plan._refresh
+
+    def stale(static, fresh):
+        if isinstance(static, kv_plan.ForwardPlan):
+            monkeypatch.setattr(fresh, "writes", static.writes)
+        real(static, fresh)
+
+    monkeypatch.setattr(kv_plan, "_refresh", stale)
+    logits, state, _ = _run(dsv4_model("flash"), "address", 8, CONTEXTS)
+    assert logits > 1e-3 or state > 1e-3
+
+
+def test_capture_is_decode_only_and_needs_the_batched_path(dsv4_model, monkeypatch):
+    model = dsv4_model("flash")
+    backend = _backend(model, model.make_cache(SLOTS, 640))
+    backend.init_cpu_graph_state(4, 4)
+    with pytest.raises(ValueError, match="decode batches only"):
+        backend.init_forward_metadata_capture_cpu_graph(4, 16, None, None, None, None, ForwardMode.TARGET_VERIFY, None)
+    backend.build_plans = False  # SGLANG_DSV4_ATTENTION=segments
+    with pytest.raises(ValueError, match="SGLANG_DSV4_ATTENTION=segments"):
+        backend.init_cpu_graph_state(4, 4)
