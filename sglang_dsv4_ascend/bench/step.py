@@ -4,6 +4,7 @@ side in one run, as ratios to size 1, with host syncs per forward and the mHC sh
 
     python -m sglang_dsv4_ascend.bench step [--preset flash|pro] [--batch 1,4,16,64] [--verify 1,4,8]
                                            [--context 200] [--reps 5] [--threads N]
+    python -m sglang_dsv4_ascend.bench step --graph ...   (captured vs eager decode: bench/graph.py)
 
 Each request slot first holds `--context` committed tokens (one prefill each). A decode step is one
 forward of B segments of one token; a verify step is one forward of one segment of w tokens. Writes
@@ -145,7 +146,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200, help="committed tokens per request")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--graph", action="store_true", help="captured vs eager decode (bench/graph.py)")
+    ap.add_argument("--model", default=None, choices=["shipped", "flash", "pro"], help="with --graph (default shipped)")
+    ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"], help="with --graph")
+    ap.add_argument(
+        "--capacity", type=int, default=32768, help="with --graph: the cache's context length (the server's on CPU)"
+    )
     a = ap.parse_args(argv)
+    if a.graph:
+        return _graph_main(a, ap)
     batches = [int(x) for x in a.batch.split(",") if x]
     widths = [int(x) for x in a.verify.split(",") if x]
     if not batches or min(batches) < 1 or not widths or min(widths) < 1 or a.context < 1 or a.reps < 1:
@@ -173,6 +182,38 @@ def main(argv=None) -> int:
             "kernel_family": device.kernel_family(),
         },
         "results": run(a.preset, batches, widths, a.context, a.reps),
+    }
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _graph_main(a, ap) -> int:
+    from . import graph
+
+    batches = [int(x) for x in a.batch.split(",") if x] if a.batch != "1,4,16,64" else [1, 4]
+    if not batches or min(batches) < 1 or a.context < 1 or a.reps < 1:
+        ap.error("--batch needs positive sizes, --context and --reps positive integers")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = a.model or "shipped"
+    t0 = time.perf_counter()
+    result = {
+        "bench": "step --graph",
+        "config": {
+            "model": model,
+            "dtype": "bfloat16" if model == "shipped" else "float32",
+            "compiler": a.compiler,
+            "capacity": a.capacity,
+            "context": a.context,
+            "batch": batches,
+            "reps": a.reps,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+        },
+        "results": graph.run(model, batches, a.compiler, a.context, a.reps, a.capacity),
     }
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))

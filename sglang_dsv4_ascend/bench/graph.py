@@ -1,0 +1,89 @@
+"""Captured vs eager DeepSeek-V4 decode steps, in process, side by side in one run:
+
+    python -m sglang_dsv4_ascend.bench step --graph [--model shipped|flash|pro] [--batch 1,4]
+                                                    [--compiler inductor|aot_eager|eager] [--reps 10]
+
+For each decode batch size: the step as the server runs it eager (a plan built per step), and the
+same step captured as SGLang's CPU graph runner captures it (torch.compile of the forward, one
+persistent plan per batch size refreshed in place: kvcache/plan.PlanBuffers), with the time the
+capture took, the median step times, their ratio, and how far the captured logits are from the
+eager ones (max |diff| and whether every row's argmax agrees). The shipped model runs in its own
+dtype (bf16); the random presets in fp32. Times are medians of `--reps` after the capture.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _model(name: str):
+    from ..models.weights import load_model_from_dir
+
+    if name == "shipped":
+        import sglang_dsv4_ascend as pkg
+
+        return load_model_from_dir(pkg.TINY_MODEL_PATH, dtype=torch.bfloat16)
+    from .step import _build
+
+    return _build(name)
+
+
+def run(model_name: str, batches, compiler: str, context: int, reps: int, capacity: int) -> dict:
+    from ..batch import Segment
+    from ..kvcache.plan import Bucket, PlanBuffers, build_plan
+
+    model = _model(model_name)
+    slots = max(batches) + 1  # slot 0 unused, as SGLang reserves it
+    cache = model.make_cache(slots, capacity)
+    g = torch.Generator().manual_seed(0)
+    for s in range(1, slots):
+        ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
+        model(ids, torch.arange(context), [Segment(s, 0, context)], cache)
+    buffers = PlanBuffers(cache)
+
+    def forward(ids, pos, plan):
+        return model.compute_logits(model(ids, pos, (), cache, pending=[], plan=plan))
+
+    captured = torch.compile(torch.no_grad()(forward), dynamic=False, backend=compiler)
+    rows = []
+    for b in batches:
+        segs = [Segment(s, context, 1) for s in range(1, b + 1)]
+        ids = torch.randint(0, model.cfg.vocab_size, (b,), generator=g)
+        pos = torch.full((b,), context)
+
+        def eager():
+            return model.compute_logits(model(ids, pos, segs, cache, pending=[], plan=build_plan(segs, cache)))
+
+        def graph():
+            return captured(ids, pos, buffers.load(segs, Bucket(b, 1)))
+
+        t0 = time.perf_counter()
+        out_g = graph()  # the capture (compilation) happens on the first call
+        capture_s = time.perf_counter() - t0
+        out_e = eager()
+        eager_ms, graph_ms = _median_ms(eager, reps), _median_ms(graph, reps)
+        row = {
+            "batch": b,
+            "capture_s": round(capture_s, 1),
+            "eager_ms": round(eager_ms, 2),
+            "graph_ms": round(graph_ms, 2),
+            "speedup": round(eager_ms / graph_ms, 2),
+            "max_logit_diff": float((out_g.float() - out_e.float()).abs().max()),
+            "argmax_agrees": bool(torch.equal(out_g.argmax(-1), out_e.argmax(-1))),
+        }
+        rows.append(row)
+        print(f"batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
+    return {"decode": rows}
+
+
+def _median_ms(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
