@@ -27,9 +27,13 @@ def _model(name: str):
         import sglang_dsv4_ascend as pkg
 
         return load_model_from_dir(pkg.TINY_MODEL_PATH, dtype=torch.bfloat16)
-    from .step import _build
+    import os
+    import tempfile
 
-    return _build(name)
+    from ..tools.make_tiny_checkpoint import write_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        return load_model_from_dir(write_checkpoint(os.path.join(d, "m"), name, "nextn"))
 
 
 def run(model_name: str, batches, compiler: str, context: int, reps: int, capacity: int) -> dict:
