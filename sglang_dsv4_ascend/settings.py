@@ -261,6 +261,15 @@ TEST_ZYGOTE = _setting(
     meaning="the tests start every server the plain way instead of through the zygote",
     group="harness",
 )
+TEST_INDUCTOR = _setting(
+    name="SGLANG_DSV4_TEST_INDUCTOR",
+    kind="flag",
+    default=False,
+    shape="1",
+    meaning="also run the inductor-compiled capture test (tests/unit/test_graph_capture.py; ~2 min of "
+    "compilation on 2 cores, so off in the suite)",
+    group="harness",
+)
 TEST_SERVERS = _setting(
     name="SGLANG_DSV4_TEST_SERVERS",
     kind="int",

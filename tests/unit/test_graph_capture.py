@@ -24,6 +24,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.attention_backend.backend import PADDING_SLOT, DSV4AscendBackend
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.kvcache import plan as kv_plan
@@ -132,6 +133,19 @@ def test_replay_equals_eager_across_buckets_joins_and_leaves(dsv4_model, graph, 
     assert set(runner.backend.graph_plans.plans) == {kv_plan.Bucket(bs, 1) for bs in CAPTURE_BS}
     for bs, plan in runner.recorded.items():
         assert runner.backend.graph_plans.plans[kv_plan.Bucket(bs, 1)] is plan
+
+
+@pytest.mark.skipif(not settings.TEST_INDUCTOR.get(), reason=f"{settings.TEST_INDUCTOR.name}=1 runs it (~2 min)")
+def test_inductor_capture_equals_eager(dsv4_model):
+    """Inductor's code, compiled as SGLang's CPU graph runner configures it (freezing on): the
+    cache stores land and the logits stay within fp32 rounding of eager."""
+    from sglang.srt.model_executor.cpu_graph_runner import set_torch_compile_config
+
+    torch._dynamo.reset()
+    set_torch_compile_config()
+    live = [[1], [1, 2], [3, 2], [4], [2, 5]]  # one captured size, exact and padded
+    logits, state, _ = _run(dsv4_model("flash"), "inductor", 10, CONTEXTS, capture=(2,), live=live)
+    assert logits < 1e-4 and state < 1e-4
 
 
 def test_a_fresh_plan_at_replay_is_caught(dsv4_model, monkeypatch):
