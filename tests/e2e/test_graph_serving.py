@@ -44,6 +44,18 @@ def test_captured_decode_equals_plain_decoding(ckpt, servers):
     with ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(lambda a: srv.generate(a[0], a[1], ignore_eos=True)["output_ids"], zip(prompts, LENGTHS)))
     assert got == [w[:n] for w, n in zip(want, LENGTHS)]
+    # A request SGLang's logits processor handles differently inside the captured step (log
+    # probabilities: a second trace of the captured size, not an error): same tokens, logprobs
+    # for each of them.
+    out = srv.post(
+        "/generate",
+        {
+            "input_ids": prompts[1],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert out["output_ids"] == want[1][:6] and len(out["meta_info"]["output_token_logprobs"]) == 6
     log = srv.log_tail(400)
     assert "Capture target decode CPU graph end" in log and "bs=[4]" in log, log
     assert "first replay of the captured decode, batch size 4" in log, log
