@@ -1,9 +1,9 @@
 """The decode graph runner of the CPU reference platform: SGLang's own `CPUGraphRunner`
 (torch.compile per captured batch size under `--enable-torch-compile`), handed to SGLang through
 the platform seam `get_graph_runner_cls` (an out-of-tree platform must name one for capture to
-run). It changes one thing: the compiler, from SGLANG_DSV4_COMPILE_BACKEND (inductor by default,
-as SGLang compiles; dynamo's trace alone to debug a capture or to test one quickly), and it logs
-each batch size's capture time.
+run). It changes two things: the compiler, from SGLANG_DSV4_COMPILE_BACKEND (inductor by default,
+as SGLang compiles; dynamo's trace alone to debug a capture or to test one quickly), and inductor's
+freezing, off; and it logs each batch size's capture time.
 
 What makes DeepSeek-V4 capturable is in the backend and the model, not here: one persistent
 plan per batch size refreshed before every replay (attention_backend/backend.py,
@@ -29,6 +29,13 @@ def cpu_graph_runner_cls():
 
         class DSV4CPUGraphRunner(CPUGraphRunner):
             def capture_one_batch_size(self, bs, forward, skip_cross_attention=False):
+                # SGLang turns inductor's freezing on (weights folded in as constants); compiling
+                # the shipped bf16 DeepSeek-V4 step with it failed here: a frozen weight was bound
+                # to the wrong matmul ([16, 512] x [64, 128] in the mHC mix). Without it the step
+                # compiles and equals eager (tests/unit/test_graph_capture.py, bench step --graph).
+                from torch._inductor import config as inductor_config
+
+                inductor_config.freezing = False
                 compiler = settings.COMPILE_BACKEND.get()
                 if self.enable_torch_compile and compiler != "inductor":
                     forward = torch.compile(
