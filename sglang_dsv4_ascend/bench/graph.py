@@ -13,11 +13,12 @@ dtype (bf16); the random presets in fp32. Times are medians of `--reps` after th
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
+
+from .inproc import median_ms, tiny_model
 
 
 def _model(name: str):
@@ -27,13 +28,7 @@ def _model(name: str):
         import sglang_dsv4_ascend as pkg
 
         return load_model_from_dir(pkg.TINY_MODEL_PATH, dtype=torch.bfloat16)
-    import os
-    import tempfile
-
-    from ..tools.make_tiny_checkpoint import write_checkpoint
-
-    with tempfile.TemporaryDirectory() as d:
-        return load_model_from_dir(write_checkpoint(os.path.join(d, "m"), name, "nextn"))
+    return tiny_model(name)
 
 
 def run(model_name: str, batches, compiler: str, context: int, reps: int, capacity: int) -> dict:
@@ -69,7 +64,8 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         out_g = graph()  # the capture (compilation) happens on the first call
         capture_s = time.perf_counter() - t0
         out_e = eager()
-        eager_ms, graph_ms = _median_ms(eager, reps), _median_ms(graph, reps)
+        # both already ran once (the capture, the reference logits): no further warm-up
+        eager_ms, graph_ms = median_ms(eager, reps, warmup=False), median_ms(graph, reps, warmup=False)
         row = {
             "batch": b,
             "capture_s": round(capture_s, 1),
@@ -82,12 +78,3 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         rows.append(row)
         print(f"batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
     return {"decode": rows}
-
-
-def _median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3

@@ -20,32 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
-
-def _build(preset: str):
-    from ..models.weights import load_model_from_dir
-    from ..tools.make_tiny_checkpoint import write_checkpoint
-
-    with tempfile.TemporaryDirectory() as d:
-        return load_model_from_dir(write_checkpoint(os.path.join(d, "m"), preset, "nextn"))
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+from .inproc import median_ms, tiny_model
 
 
 class _Timed:
@@ -68,7 +49,7 @@ def run(preset: str, batches, widths, context: int, reps: int) -> dict:
     from ..layers.moe import MoE
     from ..tools.host_sync import count_host_syncs
 
-    model = _build(preset)
+    model = tiny_model(preset)
     slots = max(batches)
     cache = model.make_cache(slots, context + max(widths) + 1)
     g = torch.Generator().manual_seed(0)
@@ -102,7 +83,7 @@ def run(preset: str, batches, widths, context: int, reps: int) -> dict:
                 fn = step(segs, batched)
                 fn()  # warm-up (TorchScript profiles its first runs)
                 timed.seconds = 0.0
-                ms = _median_ms(fn, reps)
+                ms = median_ms(fn, reps)
                 mhc_ms = timed.seconds * 1e3 / (reps + 1)
                 rows.append(
                     {

@@ -27,13 +27,13 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import torch
 
 from .. import settings
+from .inproc import median_ms
 
 SHAPES = {  # name: (K, N)
     "wq_a": (4096, 1024),
@@ -65,16 +65,6 @@ def _cpu_info() -> dict:
     except OSError:
         pass
     return info
-
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -125,18 +115,18 @@ def run(shapes, ms, reps: int, seed: int = 0) -> dict:
                 "M": M,
                 "rel_err": {"bf16": _rel(y16, ref), "w8a8": _rel(y8, ref), "weight_int8": w_err},
                 "time_ms": {
-                    "fp32_matmul": _time(lambda: x32 @ w32.t(), reps),
-                    "bf16_matmul": _time(lambda: x16 @ w16.t(), reps),
-                    "w8a8_float_exact": _time(lambda: w8a8("float"), reps),
+                    "fp32_matmul": median_ms(lambda: x32 @ w32.t(), reps),
+                    "bf16_matmul": median_ms(lambda: x16 @ w16.t(), reps),
+                    "w8a8_float_exact": median_ms(lambda: w8a8("float"), reps),
                 },
                 "float_exact_accumulation": "fp32 GEMM (K <= 1024)" if K <= Q.FP32_EXACT_MAX_K else "fp64 GEMM",
             }
             chosen = Q.int8_method(x16.device, M, K, N)  # what 'auto' runs for this shape, and why
             row["auto"] = {"method": chosen, "why": Q.int8_choices()[Q.shape_class(x16.device, M, K, N)]["why"]}
-            row["time_ms"]["w8a8_auto"] = _time(lambda: w8a8("auto"), reps)
+            row["time_ms"]["w8a8_auto"] = median_ms(lambda: w8a8("auto"), reps)
             try:
                 y_int = w8a8("int_mm")
-                row["time_ms"]["w8a8_torch_int_mm"] = _time(lambda: w8a8("int_mm"), reps)
+                row["time_ms"]["w8a8_torch_int_mm"] = median_ms(lambda: w8a8("int_mm"), reps)
                 row["int_mm_bit_equal_float_exact"] = bool(torch.equal(y_int, y8))
             except (RuntimeError, ValueError) as e:  # e.g. a backend without int8 mm
                 row["time_ms"]["w8a8_torch_int_mm"] = None
