@@ -73,7 +73,6 @@ class DSV4AscendBackend(AttentionBackend):
         self.resumed: list = []
         self.graph_plans = None  # kvcache/plan.py PlanBuffers once a graph runner asks for graph state
         self.graph_bs: set = set()  # captured decode batch sizes
-        self.graph_max_bs = 0
         self._replayed: set = set()
 
     @property
@@ -115,7 +114,6 @@ class DSV4AscendBackend(AttentionBackend):
                 "or run without --enable-torch-compile"
             )
         self.graph_plans = kv_plan.PlanBuffers(self.cache)
-        self.graph_max_bs = max_bs
 
     init_cuda_graph_state = init_cpu_graph_state
 

@@ -368,14 +368,23 @@ class PlanBuffers:
         return static
 
 
+# the tensors of a ForwardPlan and of a RatioPlan that a forward reads
+_ROW_TABLES = (
+    *("row_slot", "row_pos", "row_seg", "row_start"),
+    *("swa_com", "swa_com_lo", "swa_com_hi", "swa_fresh", "swa_fresh_lo", "swa_fresh_hi"),
+)
+_ENTRY_TABLES = (
+    *("ent_j", "ent_row", "blk_ring", "blk_fresh", "blk_from_ring", "blk_ok"),
+    *("com_hi", "new_table", "new_hi"),
+)
+
+
 def _refresh(static, fresh) -> None:
     """Copy `fresh` (a plan of the same bucket) into `static` field by field: tensors in place
     (same shapes by construction of the bucket), host values rebound."""
     if isinstance(static, ForwardPlan):
         static.segments, static.n_real, static.cpu = fresh.segments, fresh.n_real, fresh.cpu
-        for name in ("row_slot", "row_pos", "row_seg", "row_start", "swa_com", "swa_com_lo", "swa_com_hi"):
-            _copy(getattr(static, name), getattr(fresh, name), name)
-        for name in ("swa_fresh", "swa_fresh_lo", "swa_fresh_hi"):
+        for name in _ROW_TABLES:
             _copy(getattr(static, name), getattr(fresh, name), name)
         for r, rp in static.ratios.items():
             _refresh(rp, fresh.ratios[r])
@@ -389,8 +398,7 @@ def _refresh(static, fresh) -> None:
         return
     # RatioPlan: slot_entries is a view of the token slots, the same storage every step
     static.ent_seg_cpu, static.ent_j_cpu = fresh.ent_seg_cpu, fresh.ent_j_cpu
-    names = ("ent_j", "ent_row", "blk_ring", "blk_fresh", "blk_from_ring", "blk_ok", "com_hi", "new_table", "new_hi")
-    for name in names:
+    for name in _ENTRY_TABLES:
         _copy(getattr(static, name), getattr(fresh, name), name)
 
 

@@ -135,10 +135,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # SGLang's row count.
         rows = input_ids.shape[0]
         real = plan.T if plan is not None else sum(s.length for s in meta.segments)
-        # A bucket plan (a captured decode) carries its segments; the list is not passed, so a
-        # traced forward is not specialised on it.
-        segments = () if plan is not None and plan.bucket is not None else meta.segments
-        hidden = self.model(input_ids[:real], positions[:real], segments, backend.cache, plan=plan, aux=aux)
+        hidden = self.model(input_ids[:real], positions[:real], meta.segments, backend.cache, plan=plan, aux=aux)
         if real < rows:
             hidden = torch.cat([hidden, hidden.new_zeros(rows - real, hidden.shape[1])])
         self.last_aux = aux

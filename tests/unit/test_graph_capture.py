@@ -66,7 +66,8 @@ class Runner:
     def _step(self, ids, pos, bs):
         meta = self.backend.forward_metadata
         plan = self.recorded[bs] if self.graph == "address" else meta.plan
-        return self.model.compute_logits(self.model(ids, pos, (), self.backend.cache, plan=plan))
+        # the request list as the served model passes it: a bucket plan's forward must ignore it
+        return self.model.compute_logits(self.model(ids, pos, meta.segments, self.backend.cache, plan=plan))
 
     def decode(self, slots, contexts, ids):
         n = len(slots)
@@ -180,7 +181,7 @@ def test_stale_write_lists_from_an_earlier_batch_are_caught(dsv4_model, monkeypa
     assert logits > 1e-3 or state > 1e-3
 
 
-def test_capture_is_decode_only_and_needs_the_batched_path(dsv4_model, monkeypatch):
+def test_capture_is_decode_only_and_needs_the_batched_path(dsv4_model):
     model = dsv4_model("flash")
     backend = _backend(model, model.make_cache(SLOTS, 640))
     backend.init_cpu_graph_state(4, 4)
