@@ -146,7 +146,6 @@ SCHEDULE = [
             *((("spec", "test_bench_serve.py"),) if method == "dspark_adaptive" else ()),  # its server too
         )
     ],
-    ("spec", "test_trained_tiny.py::test_nextn_variant"),
     # DSpark on the random checkpoint
     ("spec", "test_dspark_serving.py"),
     # the trained model's W8A8 version: its no-speculation server first, then with speculation

@@ -1,8 +1,8 @@
 """Server settings for DeepSeek-V4 resolved by SGLang's own pipeline with the plugin loaded: what we
 declare (backend, pages, graphs off, caches in the model dtype, CPU bounds), what a user's explicit
 value keeps, and every unsupported setting refused with a message naming the flag. One fresh
-interpreter resolves all cases (the plugin patches process-wide state); an NPU-like run uses
-`--device npu` with SGLang's NPU memory probe stubbed, since no NPU is here."""
+interpreter resolves all cases (the plugin patches process-wide state); the NPU-like case, last,
+uses `--device npu` with SGLang's NPU memory probe stubbed, since no NPU is here."""
 
 import json
 import os
@@ -18,16 +18,16 @@ pytestmark = pytest.mark.xdist_group("server_defaults")
 
 RESOLVE = textwrap.dedent("""
     import json, sys
-    npu = sys.argv[1] == "npu"
-    if npu:  # SGLang's NPU defaults read the device memory through torch_npu
-        import sglang.srt.hardware_backend.npu.utils as nu
-        nu.get_npu_memory_capacity = lambda *a, **k: 65536
+    # the --device npu case: SGLang's NPU defaults read the device memory through torch_npu (the
+    # CPU cases never ask)
+    import sglang.srt.hardware_backend.npu.utils as nu
+    nu.get_npu_memory_capacity = lambda *a, **k: 65536
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.arg_groups.overrides import resolving_view
     out = []
-    for args in json.loads(sys.argv[2]):
+    for args in json.loads(sys.argv[1]):
         try:
             sa = prepare_server_args(args)
             sa.resolve_once()
@@ -47,7 +47,7 @@ RESOLVE = textwrap.dedent("""
 """)
 
 
-def resolve(model, cases, npu=False):
+def resolve(model, cases):
     """Each case's flags resolved against `model` (a path, or None where the case names its own
     --model-path) in one fresh process: SGLang's resolution is per-process state, and one import
     of SGLang serves every case (an import costs ~15 s on the CI machine)."""
@@ -56,7 +56,6 @@ def resolve(model, cases, npu=False):
             sys.executable,
             "-c",
             RESOLVE,
-            "npu" if npu else "cpu",
             json.dumps([(["--model-path", model] if model else []) + ["--dtype", "float32", *c] for c in cases]),
         ],
         capture_output=True,
@@ -163,6 +162,7 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "compile_bs_big": ["--enable-torch-compile", "--cuda-graph-bs-decode", "2", "64"],
         "compile_nextn": ["--enable-torch-compile", "--speculative-algorithm", "nextn"],
         "compile_tp2": ["--enable-torch-compile", "--tp-size", "2"],
+        "npu_like": ["--device", "npu"],  # last: its NPU settings must not leak into the CPU cases
     }
     cases = {**{k: [*flash, *v] for k, v in cases.items()}, **others}
     results, log = resolve(None, list(cases.values()))
@@ -297,15 +297,16 @@ def test_nextn_refused_on_a_checkpoint_without_a_nextn_block(cpu_results):
     assert "--speculative-algorithm nextn:" in d.get("error", "") and "DSpark draft" in d["error"], d
 
 
-def test_npu_like_platform_gets_graphs_off_and_our_backend(tiny_ckpt):
+def test_npu_like_platform_gets_graphs_off_and_our_backend(cpu_results):
     """SGLang turns decode graph capture on by default and pins NPU backends to 'ascend'; the
     dsv4_ascend backend cannot capture yet, so the same command must start with graphs off."""
-    (d,), log = resolve(tiny_ckpt("flash"), [["--device", "npu"]], npu=True)
+    r, log = cpu_results
+    d = r["npu_like"]
     assert d.get("device") == "npu", d
     assert d["attention_backend"] == d["decode_attention_backend"] == "dsv4_ascend"
     assert d["graphs"] == ["disabled", "disabled"] and d["disable_cuda_graph"] is True
     assert d["kv_cache_dtype"] == "auto" and d["page_size"] == 128
-    assert "graph capture disabled for DeepSeek-V4" in log
+    assert "graph capture disabled for DeepSeek-V4 on npu" in log
 
 
 def test_other_models_are_left_alone(cpu_results):
