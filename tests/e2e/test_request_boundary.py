@@ -761,12 +761,12 @@ SPECULATIVE = {
     # test_parallel_serving.py's: the cross-rank decision check on, so a desync would stop it
     "dspark_adaptive_tp2": ("dspark_adaptive", ("--tp-size", "2"), {settings.SPEC_SYNC_CHECK.name: "1"}),
 }
-# Half of each class on each speculative server, a different half on each (seeded by the config's
-# name, so the same half every run): the whole set against each was ~190 s of CI, a refusal is
-# the same code whatever the server's method or ranks, and every served class still reaches each
-# server's draft and verify (and on two ranks, its decision check); the no-speculation server
-# takes every case.
-HALF = tuple(SPECULATIVE)
+# A third of each class on each speculative server, a different third on each (seeded by the
+# config's name, so the same draw every run): the whole set against each was ~190 s of CI, a
+# refusal is the same code whatever the server's method or ranks, and every served class still
+# reaches each server's draft and verify (and on two ranks, its decision check); the
+# no-speculation server takes every case.
+THIRD = tuple(SPECULATIVE)
 
 
 def fuzz_server(request, servers, config):
@@ -796,6 +796,9 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
     after its first chunks."""
     server, vocab = fuzz_server(request, servers, config)
     rng, pick = random.Random(20261202), random.Random(config)
+    # two ranks on two cores beside the other test worker: a 3000-token garbage prompt's prefill
+    # queued behind three others took 32 s in CI; a stalled request still takes forever
+    limit = 2 * SLOW if config.endswith("_tp2") else SLOW
     before = probe(server)
     total = 0
 
@@ -815,17 +818,17 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
             # its long garbage prompts are the fuzz's cost (16 s for 20 of them on a DSpark server,
             # alone; twice that in CI); the no-speculation server takes them all
             cases = pick.sample(cases, 8)
-        elif config in HALF:
-            cases = pick.sample(cases, (len(cases) + 1) // 2)
+        elif config in THIRD:
+            cases = pick.sample(cases, (len(cases) + 2) // 3)
         with ThreadPoolExecutor(CONCURRENCY) as ex:  # batched with each other, as clients would be
             for (path, body), (status, out, dt) in zip(cases, ex.map(one, cases)):
                 ctx = (cls.__name__, path, json.dumps(body, default=repr)[:300], status, str(out)[:300])
                 assert status < 500, ctx
-                assert dt < SLOW, (dt,) + ctx
+                assert dt < limit, (dt,) + ctx
         total += len(cases)
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
         assert settled(server) == 0, f"KV tokens still held after {cls.__name__}"
-    assert total >= {"no_speculation": 900, **dict.fromkeys(HALF, 420)}[config]
+    assert total >= {"no_speculation": 900, **dict.fromkeys(THIRD, 280)}[config]
     assert probe(server) == before
     assert DESYNC_MARK not in server.log_text()
 
