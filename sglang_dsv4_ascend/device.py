@@ -55,3 +55,22 @@ def kernel_family() -> str:
     if fam == "cuda":
         return "triton"
     return "cpu"
+
+
+def capture_graph(fn):
+    """The device-graph abstraction for the forwards the speculative worker runs itself (the target
+    verify): `fn` made replayable at fixed shapes, one trace per shape it is called with. On CPU,
+    torch.compile with the compiler SGLANG_DSV4_COMPILE_BACKEND names (inductor with freezing off,
+    as integration/graph_runner.py compiles the plain decode). CUDA graphs and torch_npu's graph
+    mode are not wired in yet: a ValueError, and the server refuses the flags that would ask."""
+    import torch
+
+    fam = device_family()
+    if fam != "cpu":
+        raise ValueError(f"speculative graph capture runs on CPU only so far; this machine is {fam}")
+    compiler = settings.COMPILE_BACKEND.get()
+    if compiler == "inductor":
+        from torch._inductor import config as inductor_config
+
+        inductor_config.freezing = False
+    return torch.compile(fn, dynamic=False, backend=compiler)

@@ -257,17 +257,13 @@ def _checkpoint_lacks_draft(model_path, kind: str) -> str | None:
 
 
 def graph_problems(cfg, server_args) -> list[str]:
-    """Graph capture on CPU (SGLang's CPU graph runner under --enable-torch-compile) covers the
-    non-speculative decode on one rank; what it does not cover is refused by flag."""
-    if cfg.device != "cpu" or not cfg.enable_torch_compile or _graphs_turned_off(server_args):
+    """Graph capture on CPU (under --enable-torch-compile: SGLang's CPU graph runner for the plain
+    decode, the speculative worker for its target verify) covers one rank; what it does not cover
+    is refused by flag."""
+    compile_on = cfg.enable_torch_compile or _raw(server_args, "enable_torch_compile")
+    if cfg.device != "cpu" or not compile_on or _graphs_turned_off(server_args):
         return []
     out = []
-    if cfg.speculative_algorithm:
-        out.append(
-            f"--enable-torch-compile with --speculative-algorithm {cfg.speculative_algorithm}: the speculative "
-            "worker's verify and draft forwards are not captured yet (only the plain decode is); drop "
-            "--enable-torch-compile (or pass --disable-cuda-graph) to serve speculation eager"
-        )
     dp = max(getattr(cfg, "attn_dp_size", 1) or 1, 1)
     if cfg.tp_size > 1 or dp > 1 or cfg.enable_dp_attention:
         out.append(
@@ -283,6 +279,18 @@ def graph_problems(cfg, server_args) -> list[str]:
             f"{cap} (--max-running-requests); a larger one would never run and its capture costs minutes"
         )
     return out
+
+
+def spec_graph_sizes(server_args) -> tuple:
+    """The batch sizes whose target verify the speculative worker captures (read in the worker's
+    process from the record SGLang passes it, which keeps what the user gave): on CPU under
+    --enable-torch-compile, the decode sizes (--cuda-graph-bs-decode, else CPU_GRAPH_BS); () when
+    graphs are off."""
+    if str(getattr(server_args, "device", None) or "cpu") != "cpu":
+        return ()
+    if not _raw(server_args, "enable_torch_compile") or _graphs_turned_off(server_args):
+        return ()
+    return tuple(sorted(set(_raw(server_args, "cuda_graph_bs_decode") or CPU_GRAPH_BS)))
 
 
 def _graphs_turned_off(server_args) -> bool:
@@ -302,6 +310,15 @@ def _graph_declarations(server_args) -> dict:
     if cfg.device == "cpu" and cfg.enable_torch_compile and _graphs_turned_off(server_args):
         logger.info("dsv4_ascend: --disable-cuda-graph: decode graphs off, --enable-torch-compile ignored")
         out["enable_torch_compile"] = False
+    elif cfg.device == "cpu" and cfg.enable_torch_compile and cfg.speculative_algorithm:
+        # SGLang's runner would capture its target verify through our backend, which the
+        # speculative worker never replays: the worker captures its own (spec_graph_sizes).
+        out["enable_torch_compile"] = False
+        logger.info(
+            "dsv4_ascend: --enable-torch-compile with speculation on CPU: the target verify is captured by "
+            "the speculative worker per batch size (%s; the draft runs eager); --disable-cuda-graph to run eager",
+            " ".join(map(str, spec_graph_sizes(server_args))),
+        )
     elif cfg.device == "cpu" and cfg.enable_torch_compile:
         if _raw(server_args, "cuda_graph_bs_decode") is None and cfg.torch_compile_max_bs == SGLANG_COMPILE_MAX_BS:
             # SGLang's CPU list (1..16, then every 2nd, 4th, 8th up to 32) would compile 24 sizes.

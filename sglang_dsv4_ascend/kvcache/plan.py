@@ -395,6 +395,10 @@ def _refresh(static, fresh) -> None:
             for a, b in zip(s.rows[r] + s.entries[r], f.rows[r] + f.entries[r]):
                 _copy(a, b, f"writes[{r}]")
         s.state_segs = f.state_segs
+        # The accepted-prefix variants (a verify's `cache.apply(keep=...)`, after the forward)
+        # were computed from an earlier step's rows: this step computes its own.
+        for key in [k for k in static._writes if k not in (None, "zeros")]:
+            del static._writes[key]
         return
     # RatioPlan: slot_entries is a view of the token slots, the same storage every step
     static.ent_seg_cpu, static.ent_j_cpu = fresh.ent_seg_cpu, fresh.ent_j_cpu

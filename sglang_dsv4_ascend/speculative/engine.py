@@ -106,6 +106,7 @@ class SpecEngine:
             setattr(self, k, v)
         self.device = torch.device(device if device is not None else "cpu")
         self.generator = generator
+        self.graphs = None  # graphs.VerifyGraphs when the verify is captured
         self.drafter = drafter_factory(self)
         if cache.prefix is not None and hasattr(self.drafter, "enable_prefix"):
             self.drafter.enable_prefix(cache.prefix)  # prefix hits restore the draft's state too
@@ -162,9 +163,10 @@ class SpecEngine:
                 leaf_seg.append(by_leaf)
             trunk, dev = self.model.model, self.device
             pending, aux = [], {"layer_ids": getattr(self.drafter, "layer_ids", ())}
-            hidden = trunk(
-                torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), segs, self.cache, pending=pending, aux=aux
-            )
+            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+            hidden = None if self.graphs is None else self.graphs.run(segs, ids_t, pos_t, pending, aux)
+            if hidden is None:
+                hidden = trunk(ids_t, pos_t, segs, self.cache, pending=pending, aux=aux)
             rows = torch.tensor([r for rr in node_rows for r in rr], device=dev)
             logits = trunk.compute_logits(hidden[rows])
         with stage("accept"):

@@ -153,6 +153,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 self.num_draft_tokens,
                 self.engine.drafter.name,
             )
+            self._capture_verify()
             return
         planner = Planner(self.gamma, self.verify_mode)
         self.engine = SpecEngine(
@@ -168,6 +169,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             num_steps=self.gamma,
             num_draft_tokens=self.gamma + 1,
         )
+        self._capture_verify()
         if self.verify_mode == "adaptive":
             max_requests = min(self.cache.num_slots, 16)
             if self.sps_table:
@@ -199,6 +201,30 @@ class DSV4SpecWorker(BaseSpecWorker):
             self.engine.drafter.name,
             f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)",
         )
+
+    def _capture_verify(self):
+        """Under --enable-torch-compile on CPU: the target verify captured per batch size
+        (speculative/graphs.py), each bucket as many rows as that many requests verify at most
+        (every path of the widest tree, each from the root). The draft runs eager."""
+        from ..integration.server_defaults import spec_graph_sizes
+
+        sizes = [b for b in spec_graph_sizes(self.server_args) if b <= self.cache.num_slots]
+        if not sizes:
+            return
+        from .graphs import VerifyGraphs
+
+        width = self.num_steps + 1
+        per_request = width if self.topk == 1 else width * (self.num_draft_tokens - 1)
+        layer_ids = getattr(self.engine.drafter, "layer_ids", ())
+        graphs = VerifyGraphs(self.model.model, self.cache, width, [b * per_request for b in sizes], layer_ids)
+        logger.info(
+            "dsv4_ascend: capturing the target verify for %s requests (%s rows, torch.compile with %s)",
+            sizes,
+            [b.rows for b in graphs.buckets],
+            settings.COMPILE_BACKEND.get(),
+        )
+        graphs.capture()
+        self.engine.graphs = graphs
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:

@@ -98,3 +98,20 @@ def test_w8a8_version_serves(servers, tiny_w8a8, prompts, reference):
     assert len(got) == N_NEW
     agree = next((i for i, (a, b) in enumerate(zip(got, reference[0])) if a != b), N_NEW)
     assert agree >= 8, (agree, got, reference[0])
+
+
+def test_captured_verify_serves_like_no_speculation(servers, prompts, reference):
+    """DSpark adaptive under --enable-torch-compile: the speculative worker captures the target
+    verify for 1 and 4 requests (5 and 20 rows) and replays it, padded, for every round that fits
+    (adaptive budgets give ragged row counts); greedy output equals no speculation alone and
+    together. The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager), as in
+    test_graph_serving.py."""
+    path, env, args = METHODS["dspark_adaptive"]
+    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
+    srv = servers.get(path, *POOL, *args, *graphs, env={**env, "SGLANG_DSV4_COMPILE_BACKEND": "eager"})
+    assert srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"] == reference[0]
+    assert [o["output_ids"] for o in _concurrent(srv, prompts)] == reference
+    log = srv.log_text()
+    assert "verify of 5 rows captured" in log and "verify of 20 rows captured" in log, srv.log_tail(80)
+    for rows in (5, 20):
+        assert f"first replay of the captured verify, {rows} rows" in log, srv.log_tail(80)

@@ -161,6 +161,7 @@ def cpu_results(tiny_ckpt, tiny_checkpoint, tmp_path_factory):
         "compile_off": ["--enable-torch-compile", "--disable-cuda-graph"],
         "compile_bs_big": ["--enable-torch-compile", "--cuda-graph-bs-decode", "2", "64"],
         "compile_nextn": ["--enable-torch-compile", "--speculative-algorithm", "nextn"],
+        "compile_nextn_tp2": ["--enable-torch-compile", "--speculative-algorithm", "nextn", "--tp-size", "2"],
         "compile_tp2": ["--enable-torch-compile", "--tp-size", "2"],
         "npu_like": ["--device", "npu"],  # last: its NPU settings must not leak into the CPU cases
     }
@@ -192,6 +193,10 @@ def test_cpu_graphs_follow_enable_torch_compile_and_disable_cuda_graph(cpu_resul
     assert r["compile_bs"]["decode_bs"] == [1, 3] and r["compile_bs"]["enable_torch_compile"] is True
     assert r["compile_off"]["enable_torch_compile"] is False, r["compile_off"]
     assert "--disable-cuda-graph: decode graphs off" in log
+    # with speculation the worker captures its own verify (spec_graph_sizes reads the flag): SGLang's
+    # runner, which would capture a target verify through our backend, stays off
+    assert "error" not in r["compile_nextn"] and r["compile_nextn"]["enable_torch_compile"] is False
+    assert "the target verify is captured by the speculative worker per batch size (1 4" in log
 
 
 def test_prefix_cache_stays_on_under_speculation(cpu_results):
@@ -238,7 +243,7 @@ def test_explicit_user_values_are_kept_or_logged(cpu_results):
         ("other_radix_backend", "--radix-cache-backend flexkv: DeepSeek-V4 prefix hits need the plugin's tree"),
         ("deterministic", "--enable-deterministic-inference: SGLang's deterministic mode"),
         ("compile_bs_big", "--cuda-graph-bs-decode 2 64: decode batch sizes must be within 1..16"),
-        ("compile_nextn", "--enable-torch-compile with --speculative-algorithm nextn: the speculative worker's"),
+        ("compile_nextn_tp2", "--enable-torch-compile with --tp-size 2: captured DeepSeek-V4 decode is verified"),
         ("compile_tp2", "--enable-torch-compile with --tp-size 2: captured DeepSeek-V4 decode is verified on one"),
     ],
 )

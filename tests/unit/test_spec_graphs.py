@@ -1,0 +1,193 @@
+"""The speculative round's target verify captured per row bucket (speculative/graphs.py): rounds
+with the captured verify emit what eager rounds emit and what plain greedy decoding emits, and leave
+every request's cache state equal to the eager engine's, for NextN chain, NextN tree, DSpark
+static and DSpark with ragged (adaptive-like) verify lengths, while requests join and leave and
+the round moves between buckets. Acceptance is driven on purpose by the replay drafter: each
+request full, partial or zero per round.
+
+torch.compile with dynamo's "eager" compiler: its tracing and guards (each bucket traced once at
+capture; dynamo raises on any recompile after it), the traced graph run as it is. One captured
+verify (buckets of 5 and 20 rows, segments up to 5 tokens) serves every method in turn on one
+cache, as one server's would serve its rounds: a trace costs ~8 s here. The oracle is the
+engine's eager verify on a fresh cache, and plain decoding (tests/oracles/decode.py)."""
+
+import json
+import types
+
+import pytest
+import torch
+from oracles.decode import plain_greedy
+
+from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.kvcache import plan as kv_plan
+from sglang_dsv4_ascend.speculative.drafters import ReplayDrafter
+from sglang_dsv4_ascend.speculative.engine import SpecEngine
+from sglang_dsv4_ascend.speculative.graphs import VerifyGraphs
+
+N_NEW = 20
+PROMPTS = {1: 125, 2: 61, 3: 7, 4: 250}  # slot -> prompt length: C4 and C128 boundaries crossed
+MODES = {1: "full", 2: "partial:1", 3: "zero", 4: "cycle"}
+# requests joining and leaving round by round (several buckets of rows)
+LIVE = [[1, 2, 3, 4], [2, 4], [1], [3, 1, 2], [4], [1, 2, 3, 4], [2, 3]]
+METHODS = {  # (topk, steps, draft tokens, DSpark gamma or None, ragged verify lengths)
+    "nextn_chain": (1, 3, 4, None, False),
+    "nextn_tree": (2, 3, 6, None, False),
+    "dspark_static": (1, 4, 5, 4, False),
+    "dspark_ragged": (1, 4, 5, 4, True),
+}
+
+
+class Ragged:
+    """A planner that cuts each chain to a length fixed by the round number and the request alone
+    (information fixed before the round's draws, as the adaptive planner's): 0..gamma drafts."""
+
+    def __init__(self, gamma):
+        self.gamma, self.k, self.last = gamma, 0, {}
+
+    def decide(self, slots, gens):
+        return None
+
+    def plan(self, slots, gens, confidence, decision):
+        self.k += 1
+        return [(self.k + s) % (self.gamma + 1) for s in slots]
+
+    def learn(self, accepted):
+        pass
+
+    def observe(self, *a):
+        pass
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return {s: torch.randint(1, 1000, (n,), generator=g).tolist() for s, n in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def setup(dsv4_model, tmp_path_factory):
+    model = dsv4_model("flash")
+    prompts = _prompts()
+    slots = sorted(prompts)
+    want = dict(zip(slots, plain_greedy(model, [prompts[s] for s in slots], N_NEW)))
+    path = tmp_path_factory.mktemp("replay") / "replay.json"
+    path.write_text(
+        json.dumps({"sequences": [prompts[s] + want[s] for s in slots], "modes": [MODES[s] for s in slots]})
+    )
+    return model, prompts, want, str(path)
+
+
+WIDTH, ROWS = 5, (5, 20)  # the captured verify: segments up to 5 tokens, 5 or 20 rows
+
+
+def _engine(model, method, replay_path, cache=None):
+    topk, steps, n_draft, gamma, ragged = METHODS[method]
+    cache = cache if cache is not None else model.make_cache(max(PROMPTS) + 1, 512, 6)
+    shape = dict(topk=topk, num_steps=steps, num_draft_tokens=n_draft)
+    if gamma is not None:
+        shape["gamma"] = gamma
+    planner = Ragged(gamma) if ragged else None
+    host = types.SimpleNamespace(model=model, cfg=model.cfg)
+    return SpecEngine(
+        host, cache, lambda e: ReplayDrafter(e, replay_path), torch.Generator().manual_seed(0), planner=planner, **shape
+    )
+
+
+@pytest.fixture(scope="module")
+def captured(setup):
+    """(cache, VerifyGraphs) shared by the module's tests; traced once."""
+    model = setup[0]
+    torch._dynamo.reset()
+    cache = model.make_cache(max(PROMPTS) + 1, 512, 6)
+    compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
+    graphs = VerifyGraphs(model, cache, WIDTH, ROWS, compile_fn=compile_fn)
+    graphs.capture(log=lambda msg: None)
+    yield cache, graphs
+    torch._dynamo.reset()
+
+
+def _serve(model, method, prompts, replay_path, captured=None):
+    """Prefill every request, then rounds over LIVE until each has N_NEW tokens -> (tokens per
+    slot, engine, rounds that replayed the captured verify, rounds in all)."""
+    cache, graphs = captured if captured is not None else (None, None)
+    eng = _engine(model, method, replay_path, cache)
+    eng.graphs = graphs
+    replays = graphs.replays if graphs is not None else 0
+    got, lens = {}, {}
+    for s, p in prompts.items():
+        eng.cache.reset_slot(s)  # the shared cache held another method's requests
+        h = model(torch.tensor(p), torch.arange(len(p)), [Segment(s, 0, len(p))], eng.cache)
+        got[s], lens[s] = [int(model.compute_logits(h[-1:]).argmax(-1))], len(p)
+        eng.extend([Segment(s, 0, len(p))], torch.tensor(p[1:] + got[s]), {}, None, [])
+    step = 0
+    while min(len(g) for g in got.values()) < N_NEW:
+        live = [s for s in LIVE[step % len(LIVE)] if len(got[s]) < N_NEW] or [s for s in got if len(got[s]) < N_NEW]
+        step += 1
+        hist = [prompts[s] + got[s] for s in live]
+        r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, hist, live)
+        for s, e, a in zip(live, r.emitted, r.accept_lens):
+            got[s] += e
+            lens[s] += a
+    replayed = (graphs.replays - replays) if graphs is not None else 0
+    return {s: g[:N_NEW] for s, g in got.items()}, eng, replayed, step
+
+
+def _state_gap(a, b, slots) -> float:
+    return max((v - b.slot_state(s)[k]).abs().max().item() for s in slots for k, v in a.slot_state(s).items())
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_captured_verify_equals_eager_and_plain_decoding(setup, captured, method, monkeypatch):
+    """A NextN tree round of more than one request (up to 40 rows) fits no bucket and runs eager,
+    the rest replay."""
+    model, prompts, want, replay = setup
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # every bucket traced at capture
+    eager, eager_eng, _, _ = _serve(model, method, prompts, replay)
+    got, eng, replayed, rounds = _serve(model, method, prompts, replay, captured)
+    assert eager == want and got == want
+    assert 0 < replayed <= rounds and (replayed < rounds) == (method == "nextn_tree")
+    assert _state_gap(eng.cache, eager_eng.cache, prompts) < 1e-4
+    graphs = captured[1]
+    assert set(graphs.buffers.plans) == set(graphs.buckets)  # one persistent plan per bucket
+    if method == "dspark_ragged":  # ragged budgets: both buckets replayed
+        assert graphs.replayed == set(graphs.buckets)
+
+
+def test_stale_accepted_write_lists_are_caught(setup, captured, monkeypatch):
+    """Broken variant: the bucket's refresh keeps the accepted-prefix write lists an earlier round
+    computed (another batch's rows), so this round's accepted rows are stored where those went."""
+    model, prompts, want, replay = setup
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    real = kv_plan._refresh
+
+    def stale(static, fresh):
+        kept = dict(static._writes) if isinstance(static, kv_plan.ForwardPlan) else None
+        real(static, fresh)
+        if kept is not None:
+            static._writes.update({k: v for k, v in kept.items() if k not in (None, "zeros")})
+
+    monkeypatch.setattr(kv_plan, "_refresh", stale)
+    got, *_ = _serve(model, "dspark_static", prompts, replay, captured)
+    assert got != want
+
+
+def test_bucket_choice(captured):
+    graphs = captured[1]
+    assert graphs.bucket_for([Segment(1, 10, 4)]) == kv_plan.Bucket(5, WIDTH)
+    assert graphs.bucket_for([Segment(1, 10, 5), Segment(2, 5, 1)]) == kv_plan.Bucket(20, WIDTH)
+    assert graphs.bucket_for([Segment(s, 10, 5) for s in range(5)]) is None  # 25 rows
+    assert graphs.bucket_for([Segment(1, 10, 6)]) is None  # wider than the captured width
+
+
+def test_the_worker_captures_what_the_flags_ask():
+    """spec_graph_sizes reads the record SGLang hands the worker, which keeps the user's flags."""
+    from sglang_dsv4_ascend.integration.server_defaults import CPU_GRAPH_BS, spec_graph_sizes
+
+    def args(**kw):
+        base = dict(device="cpu", enable_torch_compile=False, disable_cuda_graph=False, cuda_graph_bs_decode=None)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    assert spec_graph_sizes(args()) == ()
+    assert spec_graph_sizes(args(enable_torch_compile=True)) == CPU_GRAPH_BS
+    assert spec_graph_sizes(args(enable_torch_compile=True, cuda_graph_bs_decode=[4, 2, 2])) == (2, 4)
+    assert spec_graph_sizes(args(enable_torch_compile=True, disable_cuda_graph=True)) == ()
+    assert spec_graph_sizes(args(enable_torch_compile=True, device="npu")) == ()
