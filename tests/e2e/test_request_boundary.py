@@ -766,7 +766,9 @@ SPECULATIVE = {
 # refusal is the same code whatever the server's method or ranks, and every served class still
 # reaches each server's draft and verify (and on two ranks, its decision check); the
 # no-speculation server takes every case.
-THIRD = tuple(SPECULATIVE)
+# The two-rank server a sixth, and 3 of the long garbage prompts (their prefill over two ranks
+# on two cores was most of its ~65 s): what it adds is its ranks' decisions staying in sync.
+SHARE = {**dict.fromkeys(SPECULATIVE, 3), "dspark_adaptive_tp2": 6}
 
 
 def fuzz_server(request, servers, config):
@@ -817,9 +819,9 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
         if config != "no_speculation" and cls is cls_prompts:
             # its long garbage prompts are the fuzz's cost (16 s for 20 of them on a DSpark server,
             # alone; twice that in CI); the no-speculation server takes them all
-            cases = pick.sample(cases, 8)
-        elif config in THIRD:
-            cases = pick.sample(cases, (len(cases) + 2) // 3)
+            cases = pick.sample(cases, 8 if SHARE[config] <= 3 else 3)
+        elif config in SHARE:
+            cases = pick.sample(cases, -(-len(cases) // SHARE[config]))
         with ThreadPoolExecutor(CONCURRENCY) as ex:  # batched with each other, as clients would be
             for (path, body), (status, out, dt) in zip(cases, ex.map(one, cases)):
                 ctx = (cls.__name__, path, json.dumps(body, default=repr)[:300], status, str(out)[:300])
@@ -828,7 +830,7 @@ def test_request_fuzz_never_breaks_the_server(request, servers, config):
         total += len(cases)
         assert healthy(server), f"/health failed after {cls.__name__}\n{server.log_tail(60)}"
         assert settled(server) == 0, f"KV tokens still held after {cls.__name__}"
-    assert total >= {"no_speculation": 900, **dict.fromkeys(THIRD, 280)}[config]
+    assert total >= 900 // SHARE.get(config, 1)
     assert probe(server) == before
     assert DESYNC_MARK not in server.log_text()
 

@@ -76,6 +76,9 @@ def setup(dsv4_model, tmp_path_factory):
     return model, prompts, want, str(path)
 
 
+# One worker runs the module: its captured verify (~18 s of tracing) would otherwise be traced
+# again on the other xdist worker.
+pytestmark = pytest.mark.xdist_group("spec_graphs")
 WIDTH, ROWS = 5, (5, 20)  # the captured verify: segments up to 5 tokens, 5 or 20 rows
 
 
