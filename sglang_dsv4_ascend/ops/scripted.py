@@ -25,10 +25,16 @@ _compiled: dict = {}
 
 
 def _get(name: str):
+    import torch
+
+    if torch.compiler.is_compiling():
+        # A graph capture traces the Python ops themselves (the same ops), and reads nothing
+        # here: scripting inside the trace (a process whose first forward is the capture) broke
+        # the graph and left the captured forward running eager, and a trace that read the cache
+        # below was guarded on it and recompiled once an eager forward had filled it.
+        return getattr(reference, name)
     fn = _compiled.get(name)
     if fn is None:
-        import torch
-
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script's deprecation notice

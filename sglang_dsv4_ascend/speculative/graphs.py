@@ -45,13 +45,19 @@ class VerifyGraphs:
     @torch.no_grad()  # as the rounds run: grad mode is part of what a trace is guarded on
     def capture(self, log=logger.info) -> None:
         """Trace every bucket now (startup), on a plan of padding rows only."""
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             tic = time.perf_counter()
             plan = self.buffers.load([], b)
-            for _ in range(2):  # as SGLang's runners: a warm-up run, then the one that is kept
-                # ids and positions distinct tensors, as in a round: aliasing is guarded on too
-                ids, pos = (torch.zeros(b.rows, dtype=torch.long, device=self.cache.device) for _ in range(2))
-                self.fn(ids, pos, plan, [], {"layer_ids": self.layer_ids})
+            # ids and positions distinct tensors, as in a round: aliasing is guarded on too
+            ids, pos = (torch.zeros(b.rows, dtype=torch.long, device=self.cache.device) for _ in range(2))
+            aux = {"layer_ids": self.layer_ids}
+            if i == 0:
+                # one eager run first, as SGLang's runners warm up: what the model builds lazily
+                # on its first forward (the MoE's stacked expert weights) must exist before the
+                # trace, or the trace breaks where it is built
+                self._forward(ids, pos, plan, [], dict(aux))
+            for _ in range(2):  # a warm-up run, then the one that is kept
+                self.fn(ids, pos, plan, [], dict(aux))
             log(f"dsv4_ascend: verify of {b.rows} rows captured in {time.perf_counter() - tic:.1f} s")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
