@@ -196,8 +196,10 @@ def test_accept_length_is_the_servers(report, reference):
         # accepted drafts + the bonus per round, from the round histogram
         want = 1 + sum(k * v for k, v in enumerate(hist)) / sum(hist)
         assert r["accept_length"] == pytest.approx(want) == pytest.approx(server_d["spec_accept_length"]), server_d
-        acc = r["acceptance_per_position"]  # one per draft position of the block
-        assert len(acc) == server_d["spec_num_proposed_drafts"] // server_d["spec_verify_ct"]
+        acc = r["acceptance_per_position"]  # one per draft position the server's histogram has
+        # adaptive verify: a request whose rounds were all cut to k drafts has k + 1 bins, fewer
+        # than the block's positions (seen in CI: 2 of 4)
+        assert len(acc) == len(hist) - 1 <= server_d["spec_num_proposed_drafts"] // server_d["spec_verify_ct"]
         assert acc == [None if _p(hist, j) is None else round(_p(hist, j), 4) for j in range(1, len(acc) + 1)]
     for r in report["requests"]:
         assert r["accept_length"] >= 1 and r["cached_tokens"] is not None
