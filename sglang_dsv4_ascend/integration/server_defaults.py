@@ -281,12 +281,13 @@ def graph_problems(cfg, server_args) -> list[str]:
     return out
 
 
-def spec_graph_sizes(server_args) -> tuple:
+def spec_graph_sizes(server_args, device: str) -> tuple:
     """The batch sizes whose target verify the speculative worker captures (read in the worker's
-    process from the record SGLang passes it, which keeps what the user gave): on CPU under
+    process from the record SGLang passes it, which keeps what the user gave; `device`: the type
+    the worker runs on, since the record's --device may be unset): on CPU under
     --enable-torch-compile, the decode sizes (--cuda-graph-bs-decode, else CPU_GRAPH_BS); () when
     graphs are off."""
-    if str(getattr(server_args, "device", None) or "cpu") != "cpu":
+    if device != "cpu":
         return ()
     if not _raw(server_args, "enable_torch_compile") or _graphs_turned_off(server_args):
         return ()
@@ -317,7 +318,7 @@ def _graph_declarations(server_args) -> dict:
         logger.info(
             "dsv4_ascend: --enable-torch-compile with speculation on CPU: the target verify is captured by "
             "the speculative worker per batch size (%s; the draft runs eager); --disable-cuda-graph to run eager",
-            " ".join(map(str, spec_graph_sizes(server_args))),
+            " ".join(map(str, spec_graph_sizes(server_args, cfg.device))),
         )
     elif cfg.device == "cpu" and cfg.enable_torch_compile:
         if _raw(server_args, "cuda_graph_bs_decode") is None and cfg.torch_compile_max_bs == SGLANG_COMPILE_MAX_BS:

@@ -208,7 +208,7 @@ class DSV4SpecWorker(BaseSpecWorker):
         (every path of the widest tree, each from the root). The draft runs eager."""
         from ..integration.server_defaults import spec_graph_sizes
 
-        sizes = [b for b in spec_graph_sizes(self.server_args) if b <= self.cache.num_slots]
+        sizes = [b for b in spec_graph_sizes(self.server_args, self.device.type) if b <= self.cache.num_slots]
         if not sizes:
             return
         from .graphs import VerifyGraphs

@@ -24,6 +24,9 @@ from sglang_dsv4_ascend.speculative.drafters import ReplayDrafter
 from sglang_dsv4_ascend.speculative.engine import SpecEngine
 from sglang_dsv4_ascend.speculative.graphs import VerifyGraphs
 
+# One worker runs the module: its captured verify (~18 s of tracing) would otherwise be traced
+# again on the other xdist worker.
+pytestmark = pytest.mark.xdist_group("spec_graphs")
 N_NEW = 20
 PROMPTS = {1: 125, 2: 61, 3: 7, 4: 250}  # slot -> prompt length: C4 and C128 boundaries crossed
 MODES = {1: "full", 2: "partial:1", 3: "zero", 4: "cycle"}
@@ -76,15 +79,17 @@ def setup(dsv4_model, tmp_path_factory):
     return model, prompts, want, str(path)
 
 
-# One worker runs the module: its captured verify (~18 s of tracing) would otherwise be traced
-# again on the other xdist worker.
-pytestmark = pytest.mark.xdist_group("spec_graphs")
 WIDTH, ROWS = 5, (5, 20)  # the captured verify: segments up to 5 tokens, 5 or 20 rows
+
+
+def _cache(model):
+    """Slots 1..4 for the requests, 6 speculative rows (the widest round's segment is 5)."""
+    return model.make_cache(max(PROMPTS) + 1, 512, 6)
 
 
 def _engine(model, method, replay_path, cache=None):
     topk, steps, n_draft, gamma, ragged = METHODS[method]
-    cache = cache if cache is not None else model.make_cache(max(PROMPTS) + 1, 512, 6)
+    cache = cache if cache is not None else _cache(model)
     shape = dict(topk=topk, num_steps=steps, num_draft_tokens=n_draft)
     if gamma is not None:
         shape["gamma"] = gamma
@@ -104,7 +109,7 @@ def captured(setup):
 
     model = setup[0]
     torch._dynamo.reset()
-    cache = model.make_cache(max(PROMPTS) + 1, 512, 6)
+    cache = _cache(model)
     compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
     graphs = VerifyGraphs(model, cache, WIDTH, ROWS, compile_fn=compile_fn)
     # As in a server, whose first forward is the capture: nothing built lazily yet (the
@@ -202,11 +207,12 @@ def test_the_worker_captures_what_the_flags_ask():
     from sglang_dsv4_ascend.integration.server_defaults import CPU_GRAPH_BS, spec_graph_sizes
 
     def args(**kw):
-        base = dict(device="cpu", enable_torch_compile=False, disable_cuda_graph=False, cuda_graph_bs_decode=None)
+        base = dict(device=None, enable_torch_compile=False, disable_cuda_graph=False, cuda_graph_bs_decode=None)
         return types.SimpleNamespace(**{**base, **kw})
 
-    assert spec_graph_sizes(args()) == ()
-    assert spec_graph_sizes(args(enable_torch_compile=True)) == CPU_GRAPH_BS
-    assert spec_graph_sizes(args(enable_torch_compile=True, cuda_graph_bs_decode=[4, 2, 2])) == (2, 4)
-    assert spec_graph_sizes(args(enable_torch_compile=True, disable_cuda_graph=True)) == ()
-    assert spec_graph_sizes(args(enable_torch_compile=True, device="npu")) == ()
+    assert spec_graph_sizes(args(), "cpu") == ()
+    assert spec_graph_sizes(args(enable_torch_compile=True), "cpu") == CPU_GRAPH_BS
+    assert spec_graph_sizes(args(enable_torch_compile=True, cuda_graph_bs_decode=[4, 2, 2]), "cpu") == (2, 4)
+    assert spec_graph_sizes(args(enable_torch_compile=True, disable_cuda_graph=True), "cpu") == ()
+    # --device unset on an NPU machine: the worker's device decides (graphs stay off there)
+    assert spec_graph_sizes(args(enable_torch_compile=True), "npu") == ()
