@@ -172,6 +172,32 @@ class StepsTable:
         return tau * self._sps(requests + torch.arange(tau.numel(), dtype=torch.int64))
 
 
+@dataclass
+class Padded:
+    """A cost surface as a round under captured graphs pays it: a verify of m rows runs at the rows
+    of the smallest captured bucket that holds it (`pad(m)`, speculative/graphs.py), so rows up
+    to the bucket cost nothing extra, and the budget that maximises tokens per second fills the
+    bucket (ties of the surface go to the larger k there, since tau grows with every draft). The
+    online learner is fed padded rows too (planner.Planner.observe), so `inner` is learned at the
+    rows rounds actually run."""
+
+    inner: object
+    pad: object  # rows -> the rows the round runs at
+
+    def __call__(self, requests: int, rows: int) -> float:
+        return self.inner(requests, self.pad(rows))
+
+    def draft(self, requests: int) -> float:
+        return self.inner.draft(requests)
+
+    def plain(self, requests: int) -> float:
+        return max(1e-9, self(requests, requests) - self.draft(requests))
+
+    def theta(self, requests: int, tau: torch.Tensor) -> torch.Tensor:
+        t = [self(requests, requests + k) for k in range(tau.numel())]
+        return tau / torch.tensor(t, dtype=torch.float64)
+
+
 def fit(samples, bs_probes, m_probes, prior: RoundCost | None = None, ridge: float = 1e-3, source="") -> RoundCost:
     """The additive surface nearest to `samples` [(R, m, seconds, weight), ...] in weighted least
     squares, non-decreasing in R and in m (more requests or rows never cost less: the fit is over

@@ -65,6 +65,13 @@ class VerifyGraphs:
         longest = max((s.length for s in segments), default=0)
         return next((b for b in self.buckets if b.rows >= T and b.seg_tokens >= longest), None)
 
+    def rows_for(self, rows: int) -> int:
+        """The rows a round of `rows` rows runs at, its segments no longer than the buckets'
+        (chains and DSpark blocks): the smallest bucket that holds it, or `rows` (eager). What
+        the DSpark planner prices a budget at (cost.Padded)."""
+        return next((b.rows for b in self.buckets if b.rows >= rows), rows)
+
+    @torch.no_grad()  # whoever calls: a replay under grad mode would be a new trace
     def run(self, segments, ids, pos, pending: list, aux: dict):
         """Hidden states of the round's rows (padding dropped), deferred writes appended to
         `pending`; None when no bucket holds the round (the caller runs it eager)."""

@@ -11,7 +11,10 @@ adaptive  DSpark's production scheduler:
      counts survival 1 everywhere. Without a cost model there is nothing to trade against, and
      K = R * gamma (verify all). When R / t_plain(R) >= (R + S_K) / t(R, R + K) the round does not
      draft at all (Planner.decide): speculation is then never slower than plain decoding, by the
-     model's own prediction.
+     model's own prediction. Under a captured verify (speculative/graphs.py) t is priced at the
+     rows the round runs at, its bucket's (cost.Padded): the budget is rounded up to fill the
+     bucket, whose padding rows would cost the same and verify nothing. The bucket is a function
+     of R and k alone, so this changes nothing below.
   2. selection: the K candidates (r, j) of highest CURRENT survival a_{r,j} = prod_{i<=j} c_{r,i},
      ranked by (a descending, j ascending, r ascending), a >= eps. Request r verifies
      l_r = #selected of its own, always its anchor row on top; since a_{r,.} is non-increasing and
@@ -40,7 +43,7 @@ import torch
 
 from .. import settings
 from ..batch import Segment
-from .cost import OnlineCost, RoundCost, from_points
+from .cost import OnlineCost, Padded, RoundCost, from_points
 
 EPS = 1e-6
 LAG = 2
@@ -187,6 +190,7 @@ class Planner:
             )
         self.gamma, self.mode, self.lag, self.explore = gamma, mode, lag, explore
         self.online, self._cost = None, None
+        self.pad = None  # rows -> the rows a round runs at (the captured bucket), None: as planned
         self.calibration = Calibration(gamma)
         self._verified = None  # (raw conf, verify lengths) of the round planned, until learn()
         self.use(cost)
@@ -205,7 +209,8 @@ class Planner:
 
     @property
     def cost(self):
-        return self.online.cost if self.online is not None else self._cost
+        cost = self.online.cost if self.online is not None else self._cost
+        return cost if cost is None or self.pad is None else Padded(cost, self.pad)
 
     def lagged(self, slots, gens) -> torch.Tensor:
         out = torch.ones(len(slots), self.gamma, dtype=torch.float64)
@@ -271,9 +276,11 @@ class Planner:
 
     def observe(self, requests: int, rows: int, seconds: float, draft_seconds: float | None) -> None:
         if self.online is not None and requests:
+            rows = rows if self.pad is None else self.pad(rows)
             self.online.observe(requests, rows, seconds, draft_seconds)
 
 
+@torch.no_grad()
 def measure_cost(
     trunk,
     cache,
@@ -283,6 +290,7 @@ def measure_cost(
     start: int = 64,
     agree=None,
     drafter=None,
+    graphs=None,
 ):
     """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
     requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
@@ -293,7 +301,10 @@ def measure_cost(
     extrapolating from small batches. Slot 0 is read for every request: its contents do not
     change the cost. The round's other stages are learned online (cost.OnlineCost).
     `agree(flag) -> bool`: under TP the forwards hold collectives, so every rank must stop after
-    the same point: the stop is true everywhere once it is true on one rank (RankSync.any)."""
+    the same point: the stop is true everywhere once it is true on one rank (RankSync.any).
+    `graphs` (graphs.VerifyGraphs): the verify as the rounds run it, captured where a bucket holds
+    the rows; a point is then recorded at the bucket's rows (`graphs.rows_for`), as the planner
+    prices and the online learner records it (cost.Padded)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):
@@ -321,8 +332,14 @@ def measure_cost(
         segs = [Segment(0, start, k)] * R
         ids = torch.zeros(R * k, dtype=torch.long, device=dev)
         pos = torch.arange(start, start + k, device=dev).repeat(R)
-        t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
-        points.append((R, R * k, t + draft_of[R]))
+        aux = {"layer_ids": graphs.layer_ids} if graphs is not None else None
+        if graphs is None:
+            t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
+        else:
+            t = best_of(
+                lambda: graphs.run(segs, ids, pos, [], dict(aux)) is None and trunk(ids, pos, segs, cache, pending=[])
+            )
+        points.append((R, R * k if graphs is None else graphs.rows_for(R * k), t + draft_of[R]))
         if i + 1 >= len(corners):
             spent = time.perf_counter() - t_begin > budget_s
             if agree(spent) if agree is not None else spent:

@@ -183,9 +183,12 @@ class DSV4SpecWorker(BaseSpecWorker):
                     agree=self.sync.any,
                     # the checkpoint's draft is timed too; the replay test drafter's cost is learned online
                     drafter=self.engine.drafter if self.engine.drafter.name == "dspark" else None,
+                    graphs=self.engine.graphs,
                 )
                 seed = self.sync.broadcast(seed)  # timings differ per rank; rank 0's plans for all
             planner.use(seed, agree=self.decisions.broadcast)  # refits agree over the deciding ranks
+            if self.engine.graphs is not None:  # a budget is priced at its bucket's rows: filled up
+                planner.pad = self.engine.graphs.rows_for
             logger.info(
                 "dsv4_ascend DSpark round cost model (%s): %s",
                 seed.source,

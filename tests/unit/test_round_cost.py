@@ -138,6 +138,41 @@ def test_rows_free_verify_everything_rows_dear_anchors_only():
     assert dear.plan([0, 1, 2], ["a", "b", "c"], torch.ones(3, 4), d) == [0, 0, 0]
 
 
+@settings(max_examples=200, deadline=None)
+@given(survivals(), additive_tables(), _probes(1, 60, 3))
+def test_under_graphs_the_budget_fills_its_bucket(surv, t, buckets):
+    """A captured verify runs at its bucket's rows (cost.Padded): the budget is the brute-force
+    argmax of tokens per second priced there, and it leaves no free row of its bucket unverified
+    while drafts are left. The broken variant (priced at its own rows) leaves some."""
+    R = surv.shape[0]
+    pad = lambda m: next((b for b in buckets if b >= m), m)  # noqa: E731
+    table = C.RoundCost(*t)
+    pl = P.Planner(surv.shape[1], cost=table)
+    pl.pad = pad
+    s = sorted((x for x in surv.flatten().tolist() if x >= P.EPS), reverse=True)
+    tps = [(R + sum(s[:k])) / table(R, pad(R + k)) for k in range(len(s) + 1)]
+    K = P.budget(surv, pl.cost)
+    assert K == tps.index(max(tps))
+    if R + K <= buckets[-1] and K < len(s):
+        assert pad(R + K) == R + K  # a whole bucket
+    # the skip-draft price is the bucket's too: a plain step of R rows runs at pad(R)
+    assert pl.cost.plain(R) == pytest.approx(max(1e-9, table(R, pad(R)) - table.draft(R)))
+
+
+def test_a_budget_priced_at_its_own_rows_leaves_the_bucket_padding():
+    """The broken variant of the above on one case: 4 ms a row, one request at survival 0.2 per
+    draft; with a 5-row bucket captured every draft is free, without it none pays."""
+    table = _surface(0.004, 0.0)
+    surv = P.survival(torch.full((1, 4), 0.2, dtype=torch.float64))
+    pl = P.Planner(4, cost=table)
+    assert P.budget(surv, pl.cost) == 0
+    pl.pad = lambda m: 5 if m <= 5 else m
+    assert P.budget(surv, pl.cost) == 4
+    pl.use(table)  # refined online: rounds are recorded at the rows they ran at
+    pl.observe(1, 3, 0.02, 0.001)
+    assert list(pl.online.cells) == [(1, 5)]
+
+
 def test_a_draft_dearer_than_its_gain_is_skipped_and_explored():
     """Rows cost nothing but drafting costs 5x the rest of the round: four drafts at survival 1 (5
     tokens per round) do not pay 6x the time, so the round runs without drafting; every 32nd

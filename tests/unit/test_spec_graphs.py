@@ -20,9 +20,11 @@ from oracles.decode import plain_greedy
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.kvcache import plan as kv_plan
+from sglang_dsv4_ascend.speculative.cost import RoundCost
 from sglang_dsv4_ascend.speculative.drafters import ReplayDrafter
 from sglang_dsv4_ascend.speculative.engine import SpecEngine
 from sglang_dsv4_ascend.speculative.graphs import VerifyGraphs
+from sglang_dsv4_ascend.speculative.planner import Planner, measure_cost
 
 # One worker runs the module: its captured verify (~18 s of tracing) would otherwise be traced
 # again on the other xdist worker.
@@ -37,7 +39,10 @@ METHODS = {  # (topk, steps, draft tokens, DSpark gamma or None, ragged verify l
     "nextn_tree": (2, 3, 6, None, False),
     "dspark_static": (1, 4, 5, 4, False),
     "dspark_ragged": (1, 4, 5, 4, True),
+    "dspark_adaptive": (1, 4, 5, 4, "adaptive"),
 }
+# the adaptive planner's surface: 10 ms a round plus 4 ms a verified row (fixed: not refined online)
+COST = RoundCost(0.01, [1, 16], [0.0, 0.0], [1, 80], [0.0, 0.004 * 79])
 
 
 class Ragged:
@@ -93,7 +98,10 @@ def _engine(model, method, replay_path, cache=None):
     shape = dict(topk=topk, num_steps=steps, num_draft_tokens=n_draft)
     if gamma is not None:
         shape["gamma"] = gamma
-    planner = Ragged(gamma) if ragged else None
+    planner = Ragged(gamma) if ragged is True else None
+    if ragged == "adaptive":
+        planner = Planner(gamma, "adaptive")
+        planner.use(COST, online=False)
     host = types.SimpleNamespace(model=model, cfg=model.cfg)
     return SpecEngine(
         host, cache, lambda e: ReplayDrafter(e, replay_path), torch.Generator().manual_seed(0), planner=planner, **shape
@@ -134,7 +142,9 @@ def _serve(model, method, prompts, replay_path, captured=None):
     slot, engine, rounds that replayed the captured verify, rounds in all)."""
     cache, graphs = captured if captured is not None else (None, None)
     eng = _engine(model, method, replay_path, cache)
-    eng.graphs = graphs
+    eng.graphs, eng.plans = graphs, []
+    if graphs is not None and isinstance(eng.planner, Planner):
+        eng.planner.pad = graphs.rows_for  # as the worker prices a captured verify
     replays = graphs.replays if graphs is not None else 0
     got, lens = {}, {}
     for s, p in prompts.items():
@@ -148,6 +158,7 @@ def _serve(model, method, prompts, replay_path, captured=None):
         step += 1
         hist = [prompts[s] + got[s] for s in live]
         r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, hist, live)
+        eng.plans.append((len(live), r.plan))
         for s, e, a in zip(live, r.emitted, r.accept_lens):
             got[s] += e
             lens[s] += a
@@ -174,6 +185,36 @@ def test_captured_verify_equals_eager_and_plain_decoding(setup, captured, method
     assert set(graphs.buffers.plans) == set(graphs.buckets)  # one persistent plan per bucket
     if method == "dspark_ragged":  # ragged budgets: both buckets replayed
         assert graphs.replayed == set(graphs.buckets)
+
+
+def test_the_adaptive_budget_fills_the_bucket(setup, captured, monkeypatch):
+    """Under the captured verify a round runs at its bucket's rows, so the planner prices a budget
+    there and fills the bucket: every round verifies a whole bucket (5 or 20 rows) or every draft
+    it has. Priced at its own rows (the eager engine's planner, the broken variant here) the same
+    surface leaves rows of the bucket padding: the replay drafter's zero-acceptance request says
+    0.2 per draft, which pays for no draft at 4 ms a row, yet up to the 5-row bucket is free."""
+    model, prompts, want, replay = setup
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    eager, eager_eng, *_ = _serve(model, "dspark_adaptive", prompts, replay)
+    got, eng, replayed, rounds = _serve(model, "dspark_adaptive", prompts, replay, captured)
+    assert eager == want and got == want and replayed == rounds
+
+    def unfilled(plans):
+        return [(R, p["rows"]) for R, p in plans if p["rows"] not in (5, 20, R * 5)]
+
+    assert not unfilled(eng.plans)
+    assert unfilled(eager_eng.plans)
+
+
+def test_the_seed_is_measured_at_the_rows_rounds_run_at(captured, monkeypatch):
+    """The startup cost seed times the verify as rounds run it (the captured bucket) and records
+    each point at its bucket's rows, where the planner prices budgets."""
+    cache, graphs = captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    before = graphs.replays
+    cost = measure_cost(graphs.trunk, cache, 4, max_requests=4, budget_s=0.0, graphs=graphs)
+    assert {(R, m) for R, m, _ in cost.points} == {(1, 5), (4, 5), (4, 20)}
+    assert graphs.replays - before == 3 * len(cost.points)  # one warm-up, best of two
 
 
 def test_stale_accepted_write_lists_are_caught(setup, captured, monkeypatch):
