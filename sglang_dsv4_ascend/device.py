@@ -59,10 +59,11 @@ def kernel_family() -> str:
 
 def capture_graph(fn):
     """The device-graph abstraction for the forwards the speculative worker runs itself (the target
-    verify): `fn` made replayable at fixed shapes, one trace per shape it is called with. On CPU,
-    torch.compile with the compiler SGLANG_DSV4_COMPILE_BACKEND names (inductor with freezing off,
-    as integration/graph_runner.py compiles the plain decode). CUDA graphs and torch_npu's graph
-    mode are not wired in yet: a ValueError, and the server refuses the flags that would ask."""
+    verify, the DSpark draft block): `fn` made replayable at fixed shapes, one trace per shape it
+    is called with. On CPU, torch.compile with the compiler SGLANG_DSV4_COMPILE_BACKEND names
+    (inductor with freezing off, as integration/graph_runner.py compiles the plain decode). CUDA
+    graphs and torch_npu's graph mode are not wired in yet: a ValueError here; the worker asks
+    only on CPU (integration/server_defaults.spec_graph_sizes), so graphs stay off elsewhere."""
     import torch
 
     fam = device_family()
@@ -70,7 +71,15 @@ def capture_graph(fn):
         raise ValueError(f"speculative graph capture runs on CPU only so far; this machine is {fam}")
     compiler = settings.COMPILE_BACKEND.get()
     if compiler == "inductor":
-        from torch._inductor import config as inductor_config
-
-        inductor_config.freezing = False
+        inductor_without_freezing()
     return torch.compile(fn, dynamic=False, backend=compiler)
+
+
+def inductor_without_freezing() -> None:
+    """SGLang turns inductor's freezing on (weights folded in as constants); compiling the shipped
+    bf16 DeepSeek-V4 step with it failed here: a frozen weight was bound to the wrong matmul
+    ([16, 512] x [64, 128] in the mHC mix). Without it the step compiles and equals eager
+    (tests/unit/test_graph_capture.py, bench step --graph)."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config.freezing = False

@@ -17,6 +17,7 @@ import time
 import torch
 
 from .. import settings
+from ..device import inductor_without_freezing
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 _CLS = None
@@ -29,13 +30,7 @@ def cpu_graph_runner_cls():
 
         class DSV4CPUGraphRunner(CPUGraphRunner):
             def capture_one_batch_size(self, bs, forward, skip_cross_attention=False):
-                # SGLang turns inductor's freezing on (weights folded in as constants); compiling
-                # the shipped bf16 DeepSeek-V4 step with it failed here: a frozen weight was bound
-                # to the wrong matmul ([16, 512] x [64, 128] in the mHC mix). Without it the step
-                # compiles and equals eager (tests/unit/test_graph_capture.py, bench step --graph).
-                from torch._inductor import config as inductor_config
-
-                inductor_config.freezing = False
+                inductor_without_freezing()  # SGLang turns it on; device.py says why not
                 compiler = settings.COMPILE_BACKEND.get()
                 if self.enable_torch_compile and compiler != "inductor":
                     forward = torch.compile(

@@ -317,7 +317,8 @@ def _graph_declarations(server_args) -> dict:
         out["enable_torch_compile"] = False
         logger.info(
             "dsv4_ascend: --enable-torch-compile with speculation on CPU: the target verify is captured by "
-            "the speculative worker per batch size (%s; the draft runs eager); --disable-cuda-graph to run eager",
+            "the speculative worker per batch size (%s), and so is the DSpark draft block (NextN's draft "
+            "steps run eager); --disable-cuda-graph to run eager",
             " ".join(map(str, spec_graph_sizes(server_args, cfg.device))),
         )
     elif cfg.device == "cpu" and cfg.enable_torch_compile:

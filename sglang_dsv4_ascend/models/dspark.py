@@ -71,16 +71,16 @@ class Stage(Block):
     """One DSpark stage: a V4 block (SWA-only attention with sink, non-hash MoE) whose attention
     runs over [its injected context ring; the block], bidirectionally inside the block."""
 
-    def forward(self, streams, input_ids, positions, ctx, ring):
+    def forward(self, streams, input_ids, positions, key_rows, key_ok, ring):
         """`ring` [num_slots + 1, R, head_dim]: this stage's injected context K/V (any [.., .., D]
-        whose flattened rows `ctx.key_rows` address, followed by the block's own rows)."""
-        return self.mix(streams, input_ids, lambda x: self._attention(x, positions, ctx, ring))
+        whose flattened rows `key_rows` address, followed by the block's own rows)."""
+        return self.mix(streams, input_ids, lambda x: self._attention(x, positions, key_rows, key_ok, ring))
 
-    def _attention(self, x, positions, ctx, ring):
+    def _attention(self, x, positions, key_rows, key_ok, ring):
         a = self.attn
         cos, sin, _, q, kv = a._project(x, positions)
         pool = torch.cat([ring.flatten(0, 1), kv.to(ring.dtype)])
-        out = ops.sparse_attention_with_sink(q, pool, ctx.key_rows, ctx.key_ok, a.attn_sink, a.head_dim**-0.5)
+        out = ops.sparse_attention_with_sink(q, pool, key_rows, key_ok, a.attn_sink, a.head_dim**-0.5)
         return a._finish(out, cos, sin)
 
     def inject(self, feat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -233,21 +233,32 @@ class DSparkDraft(nn.Module):
         request's block [anchor, noise x (gamma - 1)] at positions L .. L + gamma - 1. `embed`
         and `head` (hidden -> fp32 logits over the whole vocabulary: the target's compute_logits,
         which gathers a vocab-parallel head) are the target's, shared."""
+        n = len(slots)
+        logits, h = self.block_forward(
+            *self.block_inputs(cache, slots, starts, anchors, gamma), cache.rings, embed, head
+        )
+        return logits.view(n, gamma, -1), h.view(n, gamma, -1)
+
+    def block_inputs(self, cache: DSparkCache, slots, starts, anchors: torch.Tensor, gamma: int):
+        """(ids, positions, key_rows, key_ok) of the blocks, flat over n * gamma rows: what a block
+        forward reads besides the rings (host work; a captured block reads them from buffers)."""
         if gamma < 1:
             raise ValueError(f"DSpark block size must be >= 1, got {gamma}")
         n, dev = len(slots), anchors.device
         ids = torch.full((n, gamma), self.cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
-        ids = ids.flatten()
         positions = (torch.as_tensor(starts, dtype=torch.long).view(n, 1) + torch.arange(gamma)).flatten().to(dev)
         ctx = BlockContext(cache, slots, starts, gamma, dev)
+        return ids.flatten(), positions, ctx.key_rows, ctx.key_ok
+
+    def block_forward(self, ids, positions, key_rows, key_ok, rings, embed, head):
+        """The three stages over the blocks' rows: (U [n * gamma, V], h [n * gamma, d])."""
         x = embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for stage, ring in zip(self.mtp, cache.rings):
-            x = stage(x, ids, positions, ctx, ring)
+        for stage, ring in zip(self.mtp, rings):
+            x = stage(x, ids, positions, key_rows, key_ok, ring)
         last = self.mtp[-1]
         h = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, self.cfg)
-        logits = head(last.norm(h))
-        return logits.view(n, gamma, -1), h.view(n, gamma, -1)
+        return head(last.norm(h)), h
 
     def confidence(self, h_k: torch.Tensor, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
         """c_k [n] for block position k (1-based) from h_k [n, d] and x_{k-1} [n]."""

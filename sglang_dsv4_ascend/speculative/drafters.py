@@ -229,7 +229,9 @@ class DSparkDrafter:
         w, d, gamma = self.w, self.net, self.w.gamma
         trunk = w.model.model
         anchors = torch.tensor(bonus, dtype=torch.long, device=w.device)
-        U, h = d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
+        graphs = getattr(w, "draft_graphs", None)
+        blocks = None if graphs is None else graphs.run(slots, starts, anchors)
+        U, h = blocks or d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
         temps = [sampled_temperature(sp, b) for b, sp in enumerate(sampling or [None] * len(slots))]
         sampled = [i for i, t in enumerate(temps) if t is not None]
         T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)

@@ -107,6 +107,7 @@ class SpecEngine:
         self.device = torch.device(device if device is not None else "cpu")
         self.generator = generator
         self.graphs = None  # graphs.VerifyGraphs when the verify is captured
+        self.draft_graphs = None  # graphs.DraftGraphs when the DSpark draft block is captured
         self.drafter = drafter_factory(self)
         if cache.prefix is not None and hasattr(self.drafter, "enable_prefix"):
             self.drafter.enable_prefix(cache.prefix)  # prefix hits restore the draft's state too

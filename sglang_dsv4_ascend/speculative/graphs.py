@@ -1,4 +1,5 @@
-"""The target verify of a speculative round as a captured graph, one per row bucket.
+"""The speculative round's forwards as captured graphs: the target verify per row bucket
+(VerifyGraphs), the DSpark draft block per request bucket (DraftGraphs).
 
 A verify forward runs every request's segment (DSpark and NextN chain: one per request, up to
 seg_tokens rows; NextN tree: one per root-to-leaf path) with its cache writes deferred, and its
@@ -87,3 +88,66 @@ class VerifyGraphs:
             logger.info("dsv4_ascend: first replay of the captured verify, %d rows", bucket.rows)
         self.replays += 1
         return self.fn(ids_p, pos_p, plan, pending, aux)[: ids.shape[0]]
+
+
+class DraftGraphs:
+    """The DSpark draft block (models/dspark.DSparkDraft.block_forward: three stages and the head
+    over n requests x gamma rows) captured per request bucket. A batch pads to the smallest
+    bucket that holds it with requests in the rings' scratch slot at position 0: their context
+    keys are all invalid (positions < 0), they attend their own block only, and their rows are
+    dropped; a real request's rows read its own context and block alone, so padding changes none
+    of its logits. Each bucket's inputs (ids, positions, key rows and validity) live in buffers
+    filled in place before a replay, as a device graph reads them; the rings are the draft
+    cache's own. The Markov loop and the confidences after the block stay eager: gamma small
+    steps whose sampling draws on the host."""
+
+    def __init__(self, draft, cache, gamma: int, sizes, embed, head, compile_fn=None):
+        if compile_fn is None:
+            from ..device import capture_graph as compile_fn
+        self.draft, self.cache, self.gamma, self.embed, self.head = draft, cache, gamma, embed, head
+        self.sizes = sorted(set(sizes))
+        self.inputs = {}  # bucket (requests) -> its buffers
+        self.fn = compile_fn(self._forward)
+        self.replays, self.replayed = 0, set()
+
+    def _forward(self, ids, positions, key_rows, key_ok):
+        return self.draft.block_forward(ids, positions, key_rows, key_ok, self.cache.rings, self.embed, self.head)
+
+    def _load(self, n: int, slots, starts, anchors: torch.Tensor):
+        pad = n - len(slots)
+        scratch = self.cache.rings.shape[1] - 1
+        anchors = torch.cat([anchors, anchors.new_zeros(pad)])
+        fresh = self.draft.block_inputs(
+            self.cache, list(slots) + [scratch] * pad, list(starts) + [0] * pad, anchors, self.gamma
+        )
+        bufs = self.inputs.setdefault(n, fresh)
+        if bufs is not fresh:
+            for buf, new in zip(bufs, fresh):
+                buf.copy_(new)
+        return bufs
+
+    @torch.no_grad()
+    def capture(self, log=logger.info) -> None:
+        for i, n in enumerate(self.sizes):
+            tic = time.perf_counter()
+            bufs = self._load(n, [], [], torch.zeros(0, dtype=torch.long, device=self.cache.rings.device))
+            if i == 0:  # an eager run first: what the stages build lazily exists before the trace
+                self._forward(*bufs)
+            for _ in range(2):
+                self.fn(*bufs)
+            log(f"dsv4_ascend: DSpark draft block of {n} requests captured in {time.perf_counter() - tic:.1f} s")
+
+    @torch.no_grad()
+    def run(self, slots, starts, anchors: torch.Tensor):
+        """(U [n, gamma, V], h [n, gamma, d]) as DSparkDraft.block returns them; None when no
+        bucket holds the batch (the caller runs it eager)."""
+        n = next((b for b in self.sizes if b >= len(slots)), None)
+        if n is None:
+            return None
+        if n not in self.replayed:
+            self.replayed.add(n)
+            logger.info("dsv4_ascend: first replay of the captured DSpark draft, %d requests", n)
+        self.replays += 1
+        U, h = self.fn(*self._load(n, slots, starts, anchors))
+        rows = len(slots) * self.gamma
+        return U[:rows].view(len(slots), self.gamma, -1), h[:rows].view(len(slots), self.gamma, -1)

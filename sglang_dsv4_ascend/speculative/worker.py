@@ -153,7 +153,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 self.num_draft_tokens,
                 self.engine.drafter.name,
             )
-            self._capture_verify()
+            self._capture_graphs()
             return
         planner = Planner(self.gamma, self.verify_mode)
         self.engine = SpecEngine(
@@ -169,7 +169,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             num_steps=self.gamma,
             num_draft_tokens=self.gamma + 1,
         )
-        self._capture_verify()
+        self._capture_graphs()
         if self.verify_mode == "adaptive":
             max_requests = min(self.cache.num_slots, 16)
             if self.sps_table:
@@ -205,10 +205,11 @@ class DSV4SpecWorker(BaseSpecWorker):
             f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)",
         )
 
-    def _capture_verify(self):
+    def _capture_graphs(self):
         """Under --enable-torch-compile on CPU: the target verify captured per batch size
         (speculative/graphs.py), each bucket as many rows as that many requests verify at most
-        (every path of the widest tree, each from the root). The draft runs eager."""
+        (every path of the widest tree, each from the root), and the DSpark draft block per batch
+        size. NextN's draft steps (a tree's leaves change their shape every step) run eager."""
         from ..integration.server_defaults import spec_graph_sizes
 
         sizes = [b for b in spec_graph_sizes(self.server_args, self.device.type) if b <= self.cache.num_slots]
@@ -228,6 +229,15 @@ class DSV4SpecWorker(BaseSpecWorker):
         )
         graphs.capture()
         self.engine.graphs = graphs
+        drafter = self.engine.drafter
+        if drafter.name == "dspark":
+            from .graphs import DraftGraphs
+
+            trunk = self.model.model
+            draft = DraftGraphs(drafter.net, drafter.ctx, self.gamma, sizes, trunk.embed, trunk.compute_logits)
+            logger.info("dsv4_ascend: capturing the DSpark draft block for %s requests", sizes)
+            draft.capture()
+            self.engine.draft_graphs = draft
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:

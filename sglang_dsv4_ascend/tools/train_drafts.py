@@ -156,7 +156,7 @@ def dspark_block(draft, embed, head_w, feats: torch.Tensor, x: torch.Tensor, L: 
     h = embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     for stage in draft.mtp:
         ring = stage.inject(flat_feat, flat_pos).unsqueeze(0)
-        h = stage(h, ids, positions, ctx, ring)
+        h = stage(h, ids, positions, ctx.key_rows, ctx.key_ok, ring)
     last = draft.mtp[-1]
     hh = hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg)
     logits = F.linear(last.norm(hh).float(), head_w.float())

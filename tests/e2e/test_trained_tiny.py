@@ -102,10 +102,10 @@ def test_w8a8_version_serves(servers, tiny_w8a8, prompts, reference):
 
 def test_captured_verify_serves_like_no_speculation(servers, prompts, reference):
     """DSpark adaptive under --enable-torch-compile: the speculative worker captures the target
-    verify for 1 and 4 requests (5 and 20 rows) and replays it, padded, for every round that fits
-    (adaptive budgets give ragged row counts); greedy output equals no speculation alone and
-    together. The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager), as in
-    test_graph_serving.py."""
+    verify for 1 and 4 requests (5 and 20 rows) and the DSpark draft block for 1 and 4 requests,
+    and replays them, padded, for every round that fits (budgets priced at the bucket's rows);
+    greedy output equals no speculation alone and together. The compiler is dynamo's trace
+    alone (SGLANG_DSV4_COMPILE_BACKEND=eager), as in test_graph_serving.py."""
     path, env, args = METHODS["dspark_adaptive"]
     graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
     srv = servers.get(path, *POOL, *args, *graphs, env={**env, "SGLANG_DSV4_COMPILE_BACKEND": "eager"})
@@ -115,3 +115,6 @@ def test_captured_verify_serves_like_no_speculation(servers, prompts, reference)
     assert "verify of 5 rows captured" in log and "verify of 20 rows captured" in log, srv.log_tail(80)
     for rows in (5, 20):
         assert f"first replay of the captured verify, {rows} rows" in log, srv.log_tail(80)
+    for n in (1, 4):
+        assert f"DSpark draft block of {n} requests captured" in log, srv.log_tail(80)
+        assert f"first replay of the captured DSpark draft, {n} requests" in log, srv.log_tail(80)

@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import plain_greedy
+from oracles.decode import dspark_engine, plain_greedy
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.kvcache import plan as kv_plan
@@ -257,3 +257,92 @@ def test_the_worker_captures_what_the_flags_ask():
     assert spec_graph_sizes(args(enable_torch_compile=True, disable_cuda_graph=True), "cpu") == ()
     # --device unset on an NPU machine: the worker's device decides (graphs stay off there)
     assert spec_graph_sizes(args(enable_torch_compile=True), "npu") == ()
+
+
+# -- the DSpark draft block captured per request bucket (graphs.DraftGraphs) ---------------------
+DRAFT_PROMPTS = (61, 7, 100)  # one per slot; the longest crosses the draft's context window
+DRAFT_LIVE = [[0, 1, 2], [1], [0, 2], [2], [0, 1]]  # batches of 1..3 requests: buckets 1 and 4
+
+
+@pytest.fixture(scope="module")
+def draft_captured(tiny_checkpoint):
+    """(trunk, draft, engine whose draft block is captured for 1 and 4 requests, its DraftGraphs)."""
+    from torch._dynamo.utils import counters
+
+    from sglang_dsv4_ascend.models.dspark import load_dspark_from_dir
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+    from sglang_dsv4_ascend.speculative.graphs import DraftGraphs
+
+    path = tiny_checkpoint("flash", "dspark")
+    trunk = load_model_from_dir(path)
+    draft = load_dspark_from_dir(path, trunk.cfg)
+    eng = dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None)
+    compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
+    graphs = DraftGraphs(draft, eng.drafter.ctx, 4, (1, 4), trunk.embed, trunk.compute_logits, compile_fn)
+    counters.clear()
+    graphs.capture(log=lambda msg: None)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    eng.draft_graphs = graphs
+    return trunk, draft, eng, graphs
+
+
+def _dspark_serve(trunk, eng):
+    """Prefill each prompt, then DSpark rounds (real drafts, static verify) over DRAFT_LIVE until
+    every request has N_NEW tokens -> (tokens per slot, every round's drafted chains)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in DRAFT_PROMPTS]
+    aux = {"layer_ids": eng.drafter.layer_ids}
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    for s in range(len(prompts)):
+        eng.cache.reset_slot(s)
+    h = trunk(
+        torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, eng.cache, aux=aux
+    )
+    eng.extend(segs, None, aux, None, [])
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
+    lens, drafted, step = [len(p) for p in prompts], [], 0
+    while min(map(len, got)) < N_NEW:
+        live = [s for s in DRAFT_LIVE[step % len(DRAFT_LIVE)] if len(got[s]) < N_NEW] or [
+            s for s in range(len(got)) if len(got[s]) < N_NEW
+        ]
+        step += 1
+        r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, None, live)
+        drafted.append([t.tokens for t in r.trees])
+        for s, e, a in zip(live, r.emitted, r.accept_lens):
+            got[s] += e
+            lens[s] += a
+    return [x[:N_NEW] for x in got], drafted, prompts
+
+
+def test_captured_draft_block_drafts_what_eager_drafts(draft_captured, monkeypatch):
+    """Rounds with the captured block draft the same chains as the eager block, round by round,
+    and emit plain greedy decoding's tokens; the block's logits and confidence features agree
+    with eager's within float noise for batches padded to either bucket."""
+    trunk, draft, eng, graphs = draft_captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    eager_eng = dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None)
+    want_tokens, want_drafts, prompts = _dspark_serve(trunk, eager_eng)
+    got_tokens, got_drafts, _ = _dspark_serve(trunk, eng)
+    assert want_tokens == plain_greedy(trunk, prompts, N_NEW)
+    assert got_tokens == want_tokens and got_drafts == want_drafts
+    assert graphs.replayed == {1, 4}
+    for slots in ([0, 2], [1], [2, 1, 0]):
+        starts, anchors = [40 + 9 * s for s in slots], torch.tensor([5 + s for s in slots])
+        U, h = graphs.run(slots, starts, anchors)
+        U0, h0 = draft.block(eng.drafter.ctx, slots, starts, anchors, 4, trunk.embed, trunk.compute_logits)
+        torch.testing.assert_close((U, h), (U0, h0), atol=1e-5, rtol=1e-5)
+
+
+def test_stale_draft_block_inputs_are_caught(draft_captured, monkeypatch):
+    """Broken variant: a bucket's buffers kept from an earlier batch (not refilled in place)."""
+    from sglang_dsv4_ascend.speculative.graphs import DraftGraphs
+
+    trunk, draft, eng, graphs = draft_captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    monkeypatch.setattr(DraftGraphs, "_load", lambda self, n, *a: self.inputs[n])
+    slots, starts, anchors = [0, 2], [50, 90], torch.tensor([3, 4])
+    U, _ = graphs.run(slots, starts, anchors)
+    U0, _ = draft.block(eng.drafter.ctx, slots, starts, anchors, 4, trunk.embed, trunk.compute_logits)
+    assert not torch.allclose(U, U0, atol=1e-3)
