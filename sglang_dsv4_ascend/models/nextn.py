@@ -66,7 +66,18 @@ class NextN(Block):
         """One draft forward over `segments` (rows as in DSV4Model.forward). `input_ids` [T]: token
         i+1 of each row; `states` [T, hc, d]: X_i. Returns (hidden [T, d] for the shared head,
         output streams [T, hc, d] for the next chained step)."""
-        check_batch(input_ids, positions, segments, cache, deferred=pending is not None)
+        static = plan is not None and plan.bucket is not None
+        if not torch.compiler.is_compiling():  # a captured step's plan was checked when built
+            check_batch(
+                input_ids,
+                positions,
+                plan.segments if static else segments,
+                cache,
+                padded_to=plan.T if static else None,
+                deferred=pending is not None,
+            )
+        if static:
+            segments = ()  # a bucket plan is all the block reads (DSV4Model.forward says why)
         if plan is None and segments:
             plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         e = self.e_proj(self.enorm(embed(input_ids)))

@@ -82,6 +82,11 @@ class NextNDrafter:
 
     def _step(self, ids, states, segments, pending=None):
         w = self.w
+        graphs = getattr(w, "draft_graphs", None)
+        if graphs is not None and pending is not None:  # a draft step (writes discarded) captured
+            out = graphs.run(segments, ids, _positions(segments, w.device), pending, states)
+            if out is not None:
+                return out
         return w.model.nextn.step(
             ids,
             states,

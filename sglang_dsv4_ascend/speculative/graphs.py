@@ -1,5 +1,6 @@
 """The speculative round's forwards as captured graphs: the target verify per row bucket
-(VerifyGraphs), the DSpark draft block per request bucket (DraftGraphs).
+(VerifyGraphs), NextN's draft steps per row bucket (NextNStepGraphs), the DSpark draft block per
+request bucket (DraftGraphs).
 
 A verify forward runs every request's segment (DSpark and NextN chain: one per request, up to
 seg_tokens rows; NextN tree: one per root-to-leaf path) with its cache writes deferred, and its
@@ -13,7 +14,8 @@ state and never changes a decision (the logits of real rows do not depend on it)
 What the graph reads of the round is the bucket's persistent plan (kvcache/plan.PlanBuffers),
 refreshed in place on the host before each replay, as SGLang's graph runners refresh the decode's
 metadata. How a forward becomes replayable is the device's (`device.capture_graph`); a round that
-fits no bucket runs eager.
+fits no bucket runs eager. A NextN draft step is the same kind of forward on the draft's cache
+(each leaf's path from the committed length, writes discarded), so it is captured the same way.
 """
 
 from __future__ import annotations
@@ -28,20 +30,34 @@ from ..kvcache import plan as kv_plan
 logger = logging.getLogger("sglang_dsv4_ascend")
 
 
-class VerifyGraphs:
-    def __init__(self, trunk, cache, seg_tokens: int, rows: tuple, layer_ids=(), compile_fn=None):
-        """`rows`: the buckets' row counts; `seg_tokens`: the most rows one segment has (the verify
-        width); `layer_ids`: the layers whose streams the draft reads (aux["layer_ids"])."""
+class RowGraphs:
+    """A forward over rows of segments with deferred writes (a verify, a NextN draft step),
+    captured per row bucket against that bucket's persistent plan on `cache`."""
+
+    what = "forward"
+
+    def __init__(self, cache, seg_tokens: int, rows: tuple, compile_fn=None):
+        """`rows`: the buckets' row counts; `seg_tokens`: the most rows one segment has."""
         if compile_fn is None:
             from ..device import capture_graph as compile_fn
-        self.trunk, self.cache, self.layer_ids = trunk, cache, tuple(layer_ids)
+        self.cache = cache
         self.buckets = [kv_plan.Bucket(r, seg_tokens) for r in sorted(set(rows))]
         self.buffers = kv_plan.PlanBuffers(cache)
         self.fn = compile_fn(self._forward)
         self.replays, self.replayed = 0, set()
 
-    def _forward(self, ids, pos, plan, pending, aux):
-        return self.trunk(ids, pos, (), self.cache, pending=pending, aux=aux, plan=plan)
+    def _forward(self, ids, pos, plan, pending, extra):
+        raise NotImplementedError
+
+    def _blank(self, rows: int):
+        """The `extra` input of a capture (padding only)."""
+        raise NotImplementedError
+
+    def _pad(self, extra, pad: int):
+        return extra
+
+    def _trim(self, out, rows: int):
+        return out[:rows]
 
     @torch.no_grad()  # as the rounds run: grad mode is part of what a trace is guarded on
     def capture(self, log=logger.info) -> None:
@@ -51,15 +67,14 @@ class VerifyGraphs:
             plan = self.buffers.load([], b)
             # ids and positions distinct tensors, as in a round: aliasing is guarded on too
             ids, pos = (torch.zeros(b.rows, dtype=torch.long, device=self.cache.device) for _ in range(2))
-            aux = {"layer_ids": self.layer_ids}
             if i == 0:
                 # one eager run first, as SGLang's runners warm up: what the model builds lazily
                 # on its first forward (the MoE's stacked expert weights) must exist before the
                 # trace, or the trace breaks where it is built
-                self._forward(ids, pos, plan, [], dict(aux))
+                self._forward(ids, pos, plan, [], self._blank(b.rows))
             for _ in range(2):  # a warm-up run, then the one that is kept
-                self.fn(ids, pos, plan, [], dict(aux))
-            log(f"dsv4_ascend: verify of {b.rows} rows captured in {time.perf_counter() - tic:.1f} s")
+                self.fn(ids, pos, plan, [], self._blank(b.rows))
+            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {time.perf_counter() - tic:.1f} s")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         T = sum(s.length for s in segments)
@@ -73,9 +88,9 @@ class VerifyGraphs:
         return next((b.rows for b in self.buckets if b.rows >= rows), rows)
 
     @torch.no_grad()  # whoever calls: a replay under grad mode would be a new trace
-    def run(self, segments, ids, pos, pending: list, aux: dict):
-        """Hidden states of the round's rows (padding dropped), deferred writes appended to
-        `pending`; None when no bucket holds the round (the caller runs it eager)."""
+    def run(self, segments, ids, pos, pending: list, extra):
+        """The forward's output for the real rows (padding dropped), deferred writes appended to
+        `pending`; None when no bucket holds the rows (the caller runs it eager)."""
         bucket = self.bucket_for(segments)
         if bucket is None:
             return None
@@ -85,9 +100,53 @@ class VerifyGraphs:
         pos_p = torch.cat([pos, pos.new_zeros(pad)])
         if bucket not in self.replayed:
             self.replayed.add(bucket)
-            logger.info("dsv4_ascend: first replay of the captured verify, %d rows", bucket.rows)
+            logger.info("dsv4_ascend: first replay of the captured %s, %d rows", self.what, bucket.rows)
         self.replays += 1
-        return self.fn(ids_p, pos_p, plan, pending, aux)[: ids.shape[0]]
+        return self._trim(self.fn(ids_p, pos_p, plan, pending, self._pad(extra, pad)), ids.shape[0])
+
+
+class VerifyGraphs(RowGraphs):
+    """The target verify: hidden states of the round's rows; `extra` is the forward's aux dict
+    (the layers whose streams the draft reads, aux["layer_ids"], and what the forward returns
+    there)."""
+
+    what = "verify"
+
+    def __init__(self, trunk, cache, seg_tokens: int, rows: tuple, layer_ids=(), compile_fn=None):
+        self.trunk, self.layer_ids = trunk, tuple(layer_ids)
+        super().__init__(cache, seg_tokens, rows, compile_fn)
+
+    def _forward(self, ids, pos, plan, pending, aux):
+        return self.trunk(ids, pos, (), self.cache, pending=pending, aux=aux, plan=plan)
+
+    def _blank(self, rows):
+        return {"layer_ids": self.layer_ids}
+
+
+class NextNStepGraphs(RowGraphs):
+    """A NextN draft step (models/nextn.NextN.step over every leaf's path, writes discarded) on
+    the draft's own cache: (hidden, output streams) of the real rows; `extra` is the rows' input
+    streams X_i, padded with zeros (padding rows read no key and their writes are dropped)."""
+
+    what = "NextN draft step"
+
+    def __init__(self, nextn, cache, embed, seg_tokens: int, rows: tuple, state_dtype=None, compile_fn=None):
+        self.nextn, self.embed = nextn, embed
+        cfg = nextn.cfg
+        self.state_shape, self.dtype = (cfg.hc_mult, cfg.hidden_size), state_dtype or nextn.dtype
+        super().__init__(cache, seg_tokens, rows, compile_fn)
+
+    def _forward(self, ids, pos, plan, pending, states):
+        return self.nextn.step(ids, states, pos, (), self.cache, self.embed, pending=pending, plan=plan)
+
+    def _blank(self, rows):
+        return torch.zeros(rows, *self.state_shape, dtype=self.dtype, device=self.cache.device)
+
+    def _pad(self, states, pad):
+        return torch.cat([states, states.new_zeros(pad, *states.shape[1:])])
+
+    def _trim(self, out, rows):
+        return out[0][:rows], out[1][:rows]
 
 
 class DraftGraphs:

@@ -346,3 +346,96 @@ def test_stale_draft_block_inputs_are_caught(draft_captured, monkeypatch):
     U, _ = graphs.run(slots, starts, anchors)
     U0, _ = draft.block(eng.drafter.ctx, slots, starts, anchors, 4, trunk.embed, trunk.compute_logits)
     assert not torch.allclose(U, U0, atol=1e-3)
+
+
+# -- NextN's draft steps captured per row bucket (graphs.NextNStepGraphs) -------------------------
+NEXTN_SHAPES = {"chain": (1, 3, 4), "tree": (2, 3, 6)}  # topk, steps, draft tokens
+
+
+@pytest.fixture(scope="module")
+def nextn_captured(setup, tiny_ckpt):
+    """(trunk, NextN block, a draft cache, its NextNStepGraphs: paths of up to 2 tokens, 4 or 16
+    rows: 1 or 4 requests of the topk-2 tree's deepest step)."""
+    from torch._dynamo.utils import counters
+
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+    from sglang_dsv4_ascend.speculative.graphs import NextNStepGraphs
+
+    trunk = setup[0]
+    nextn = load_nextn_from_dir(tiny_ckpt("flash"), trunk.cfg)
+    cache = nextn.make_cache(len(DRAFT_PROMPTS), 128, 6)
+    compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
+    graphs = NextNStepGraphs(nextn, cache, trunk.embed, 2, (4, 16), compile_fn=compile_fn)
+    counters.clear()
+    graphs.capture(log=lambda msg: None)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    return trunk, nextn, cache, graphs
+
+
+def _nextn_serve(trunk, nextn, shape, draft_cache=None, graphs=None):
+    """Prefill, then NextN rounds (real drafts) over DRAFT_LIVE until each request has N_NEW
+    tokens -> (tokens per slot, every round's drafted trees as (tokens, parents), prompts)."""
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+
+    topk, steps, n_draft = NEXTN_SHAPES[shape]
+    host = types.SimpleNamespace(model=trunk, nextn=nextn, cfg=trunk.cfg)
+    cache = trunk.make_cache(len(DRAFT_PROMPTS), 128, n_draft)
+    eng = SpecEngine(host, cache, NextNDrafter, torch.Generator(), topk=topk, num_steps=steps, num_draft_tokens=n_draft)
+    if draft_cache is not None:  # the captured steps read this one
+        eng.drafter.draft_cache = draft_cache
+    eng.draft_graphs = graphs
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in DRAFT_PROMPTS]
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    for s in range(len(prompts)):
+        eng.drafter.draft_cache.reset_slot(s)
+    aux = {}
+    h = trunk(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
+    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    lens, drafted, step = [len(p) for p in prompts], [], 0
+    while min(map(len, got)) < N_NEW:
+        live = [s for s in DRAFT_LIVE[step % len(DRAFT_LIVE)] if len(got[s]) < N_NEW] or [
+            s for s in range(len(got)) if len(got[s]) < N_NEW
+        ]
+        step += 1
+        r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, None, live)
+        drafted.append([(t.tokens, t.parents) for t in r.trees])
+        for s, e, a in zip(live, r.emitted, r.accept_lens):
+            got[s] += e
+            lens[s] += a
+    return [x[:N_NEW] for x in got], drafted, prompts
+
+
+@pytest.mark.parametrize("shape", list(NEXTN_SHAPES))
+def test_captured_nextn_steps_draft_what_eager_drafts(nextn_captured, shape, monkeypatch):
+    """Chain and tree rounds whose draft steps replay the captured forward (padded to 4 or 16
+    rows) draft the same trees as eager steps, round by round, and emit plain greedy tokens."""
+    trunk, nextn, cache, graphs = nextn_captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    want, want_drafts, prompts = _nextn_serve(trunk, nextn, shape)
+    before = graphs.replays
+    got, got_drafts, _ = _nextn_serve(trunk, nextn, shape, cache, graphs)
+    assert want == plain_greedy(trunk, prompts, N_NEW)
+    assert got == want and got_drafts == want_drafts
+    assert graphs.replays - before == 2 * len(got_drafts)  # both draft steps of every round
+    assert graphs.replayed == set(graphs.buckets)
+
+
+def test_stale_nextn_step_plans_are_caught(nextn_captured, monkeypatch):
+    """Broken variant: a bucket's plan not refreshed (the capture's padding plan read again): the
+    drafts change, the output (lossless whatever is drafted) does not."""
+    trunk, nextn, cache, graphs = nextn_captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    want, want_drafts, _ = _nextn_serve(trunk, nextn, "chain")
+    real = kv_plan.PlanBuffers.load
+    monkeypatch.setattr(
+        kv_plan.PlanBuffers,
+        "load",
+        lambda self, segs, bucket, device=None: self.plans.get(bucket) or real(self, segs, bucket, device),
+    )
+    got, got_drafts, _ = _nextn_serve(trunk, nextn, "chain", cache, graphs)
+    assert got == want and got_drafts != want_drafts
