@@ -184,6 +184,15 @@ DSPARK_VERIFY = _setting(
     "and is left alone)",
     choices=("static", "adaptive"),
 )
+NEXTN_SHAPE = _setting(
+    name="SGLANG_DSV4_NEXTN_SHAPE",
+    kind="choice",
+    default="static",
+    shape="static\\|adaptive",
+    meaning="NextN round shape: static (every round drafts the configured chain or tree) or adaptive (per round the "
+    "tree, a chain or no draft, whichever the round cost surface says emits most tokens per second)",
+    choices=("static", "adaptive"),
+)
 TEST_DRAFTER = _setting(
     name="SGLANG_DSV4_TEST_DRAFTER",
     kind="text",

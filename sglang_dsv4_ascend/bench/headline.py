@@ -7,11 +7,12 @@ trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH), every method side
         [--quant float,w8a8-dynamic,w8a8-dynamic-float-draft,w8a8-static,w8a8-static-float-draft]
         [--zygote]
 
-Per method (METHODS: no speculation; NextN chain, tree topk 2 and 4; DSpark static and adaptive
-verify) one server is started (fp32, --max-total-tokens 32768), warmed up with one untimed
-level, then `bench serve`'s streaming client (bench/serve.run_level: OpenAI chat API, greedy,
-`stream: true`) runs every dataset at every concurrency. A level sends max(concurrency,
-`--prompts-per-level`) requests: each dataset's first turns in file order. The methods run one
+Per method (METHODS: no speculation; NextN chain, tree topk 2 and 4, tree topk 2 with its round
+shape chosen per round; DSpark static and adaptive verify) one server is started (fp32,
+--max-total-tokens 32768), warmed up with one untimed level, then `bench serve`'s streaming
+client (bench/serve.run_level: OpenAI chat API, greedy, `stream: true`) runs every dataset at
+every concurrency. A level sends max(concurrency, `--prompts-per-level`) requests: each
+dataset's first turns in file order. The methods run one
 after the other on the same machine and prompts, so their ratios to no-spec (`tok_s_ratio`:
 output tok/s of the method / no-spec's at the same dataset and concurrency) are measured side by
 side; every figure is one run's measurement, noisy at a few percent, never asserted.
@@ -72,6 +73,11 @@ METHODS = {
         pkg.TINY_NEXTN_MODEL_PATH,
         {},
         _NEXTN + ("--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"),
+    ),
+    "nextn_tree2_shapes": (  # the round's shape (tree, chain, no draft) chosen per round
+        pkg.TINY_NEXTN_MODEL_PATH,
+        {settings.NEXTN_SHAPE.name: "adaptive"},
+        _NEXTN + ("--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"),
     ),
     "dspark_static": (
         pkg.TINY_MODEL_PATH,

@@ -107,7 +107,8 @@ class SpecEngine:
         self.device = torch.device(device if device is not None else "cpu")
         self.generator = generator
         self.graphs = None  # graphs.VerifyGraphs when the verify is captured
-        self.draft_graphs = None  # graphs.DraftGraphs when the DSpark draft block is captured
+        self.shapes = None  # shapes.ShapePlanner: NextN's round shape (tree, chain, none) per round
+        self.draft_graphs = None  # graphs.DraftGraphs / NextNStepGraphs when the draft is captured
         self.drafter = drafter_factory(self)
         if cache.prefix is not None and hasattr(self.drafter, "enable_prefix"):
             self.drafter.enable_prefix(cache.prefix)  # prefix hits restore the draft's state too
@@ -132,6 +133,12 @@ class SpecEngine:
             with stage("plan"):  # before drafting: whether to draft at all (planner.Planner.decide)
                 decision = self.planner.decide(slots, gens)
         skip = decision is not None and decision.skip
+        shape = None
+        if self.shapes is not None:
+            with stage("plan"):  # the drafter reads the round's shape off the engine
+                shape = self.shapes.choose(len(slots))
+                self.topk, self.num_draft_tokens = self.shapes.geometry[shape]
+            skip = shape == "plain"
         with stage("draft"):
             if skip:  # a plain decode step: each request verifies its anchor (bonus) row only
                 drafts = Drafts([DraftTree([b], [-1]) for b in bonus])
@@ -140,7 +147,7 @@ class SpecEngine:
                 if not isinstance(drafts, Drafts):
                     drafts = Drafts(drafts)
         drafted = [t.n - 1 for t in drafts.trees]
-        plan = {}
+        plan = dict(self.shapes.last) if self.shapes is not None else {}
         if self.planner is not None:
             with stage("plan"):
                 lens = self.planner.plan(slots, gens, drafts.confidence, decision)
@@ -213,6 +220,8 @@ class SpecEngine:
                 ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends
             )
         out.timings = stage.t
+        if self.shapes is not None:
+            self.shapes.learn(shape, len(slots), len(ids), out.accept_lens, sum(stage.t.values()), stage.t["draft"])
         if self.planner is not None:
             draft_s = None if skip else stage.t["draft"]
             self.planner.observe(len(slots), plan.get("rows", 0), sum(stage.t.values()), draft_s)

@@ -1,6 +1,7 @@
 """Server-side speculative counters: per-stage wall time (engine.STAGES), rounds, drafted,
 verified and committed tokens, accepted drafts by position, rounds that skipped drafting, the
-planner's confidence calibration (logit offset per draft position), and per batch size the
+planner's confidence calibration (logit offset per draft position), NextN's rounds by shape
+(shapes.py), and per batch size the
 planner's predicted round time next to the measured one (so a user sees why it chose what it
 chose, and how far its cost surface is off). Aggregated over the worker's life;
 SGLang prints `log_suffix()` in its decode log line and returns `snapshot()` in /get_server_info
@@ -24,6 +25,7 @@ class StageStats:
         self.skipped_draft = 0
         self.confidence_shift = None  # the planner's latest calibration offsets per draft position
         self.by_batch = {}  # R -> [rounds, predicted seconds, measured seconds] (rounds with a prediction)
+        self.by_shape = {}  # NextN round shape (shapes.py) -> rounds
 
     def add(self, res) -> None:
         self.rounds += 1
@@ -31,6 +33,8 @@ class StageStats:
             self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.skipped_draft += bool(res.plan.get("skipped_draft"))
         self.confidence_shift = res.plan.get("confidence_shift", self.confidence_shift)
+        if "shape" in res.plan:
+            self.by_shape[res.plan["shape"]] = self.by_shape.get(res.plan["shape"], 0) + 1
         if res.plan.get("predicted_seconds") is not None:
             row = self.by_batch.setdefault(len(res.trees), [0, 0.0, 0.0])
             row[0] += 1
@@ -68,6 +72,7 @@ class StageStats:
             ],
             "skipped_draft_rounds": self.skipped_draft,
             "confidence_shift": self.confidence_shift,
+            "rounds_by_shape": dict(self.by_shape),
             "round_ms_by_batch": {
                 R: {"rounds": n, "predicted_ms": round(p * 1e3 / n, 3), "measured_ms": round(m * 1e3 / n, 3)}
                 for R, (n, p, m) in sorted(self.by_batch.items())
@@ -83,4 +88,6 @@ class StageStats:
         if self.by_batch:
             n, p, m = (sum(v[i] for v in self.by_batch.values()) for i in range(3))
             out += f"; skipped drafting {self.skipped_draft}/{self.rounds} rounds; predicted/measured {p / m:.2f}"
+        if self.by_shape:
+            out += "; shapes " + " ".join(f"{k} {v}" for k, v in sorted(self.by_shape.items()))
         return out

@@ -30,6 +30,7 @@ from . import cost as cost_surface
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
 from .planner import Planner, measure_cost, verify_mode
+from .shapes import ShapePlanner, measure_drafts
 from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -154,6 +155,8 @@ class DSV4SpecWorker(BaseSpecWorker):
                 self.engine.drafter.name,
             )
             self._capture_graphs()
+            if settings.NEXTN_SHAPE.get() == "adaptive":
+                self._plan_shapes()
             return
         planner = Planner(self.gamma, self.verify_mode)
         self.engine = SpecEngine(
@@ -205,11 +208,36 @@ class DSV4SpecWorker(BaseSpecWorker):
             f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)",
         )
 
+    def _plan_shapes(self):
+        """NextN's round shape per round (speculative/shapes.py), seeded on this machine: the round
+        without its draft over the rows a tree verifies, and each shape's draft stage."""
+        eng = self.engine
+        planner = ShapePlanner(self.topk, self.num_steps, self.num_draft_tokens, agree=self.decisions.broadcast)
+        max_requests = min(self.cache.num_slots, 16)
+        rows = int(planner.rows["tree" if self.topk > 1 else "chain"])
+        seed = measure_cost(
+            self.model.model, self.cache, rows - 1, max_requests=max_requests, agree=self.sync.any, graphs=eng.graphs
+        )
+        drafts = measure_drafts(eng, planner, max_requests)
+        seed, drafts = self.sync.broadcast((seed, drafts))  # timings differ per rank; rank 0's for all
+        planner.seed(seed, drafts)
+        if eng.graphs is not None:
+            planner.pad = eng.graphs.rows_for
+        eng.shapes = planner
+        logger.info(
+            "dsv4_ascend NextN round shapes (%s=adaptive): %s; round without drafting %s; drafting ms %s",
+            settings.NEXTN_SHAPE.name,
+            planner.shapes,
+            cost_surface.describe(seed),
+            {s: [(R, round(t * 1e3, 2)) for R, t in pts] for s, pts in drafts.items()},
+        )
+
     def _capture_graphs(self):
         """Under --enable-torch-compile on CPU: the target verify captured per batch size
         (speculative/graphs.py), each bucket as many rows as that many requests verify at most
-        (every path of the widest tree, each from the root), and the DSpark draft block per batch
-        size. NextN's draft steps (a tree's leaves change their shape every step) run eager."""
+        (every path of the widest tree, each from the root), and the draft: the DSpark block per
+        batch size, NextN's draft steps per row bucket (as many rows as that many requests' leaf
+        paths hold at the deepest step)."""
         from ..integration.server_defaults import spec_graph_sizes
 
         sizes = [b for b in spec_graph_sizes(self.server_args, self.device.type) if b <= self.cache.num_slots]
@@ -238,6 +266,16 @@ class DSV4SpecWorker(BaseSpecWorker):
             logger.info("dsv4_ascend: capturing the DSpark draft block for %s requests", sizes)
             draft.capture()
             self.engine.draft_graphs = draft
+        elif drafter.name == "nextn" and self.num_steps > 1:
+            from .graphs import NextNStepGraphs
+
+            depth = self.num_steps - 1  # the deepest step's paths
+            rows = [b * self.topk * depth for b in sizes]
+            nextn, embed, dtype = self.model.nextn, self.model.model.embed, drafter.root_streams.dtype
+            steps = NextNStepGraphs(nextn, drafter.draft_cache, embed, depth, rows, dtype)
+            logger.info("dsv4_ascend: capturing the NextN draft steps for %s requests (%s rows)", sizes, rows)
+            steps.capture()
+            self.engine.draft_graphs = steps
 
     def prewarm_sampling(self):
         """SGLang's last startup call on a speculative worker, after the pools and backends exist:
@@ -300,6 +338,9 @@ class DSV4SpecWorker(BaseSpecWorker):
         gens = [r.rid for r in batch.reqs]
         res = self.engine.round(slots, starts, bonus, _sampling_params(batch), histories, gens)
         self.stats.add(res)
+        if self.algo != DSPARK_ALGO and self.stats.rounds % 32 == 0:
+            # SGLang puts a worker's own figures into its decode log for DSpark only
+            logger.info("dsv4_ascend NextN worker: %d rounds, %s", self.stats.rounds, self.stats.log_suffix())
         stride = self.num_draft_tokens
         next_ids = [t for e in res.emitted for t in e + [0] * (stride - len(e))]
         accept = torch.tensor(res.accept_lens, dtype=torch.int32)

@@ -150,6 +150,7 @@ SCHEDULE = [
     ("spec", "test_dspark_serving.py"),
     # the trained model's W8A8 version: its no-speculation server first, then with speculation
     ("spec", "test_trained_tiny.py::test_captured_verify"),
+    ("spec", "test_trained_tiny.py::test_nextn_tree_with_graphs"),
     ("spec", "test_trained_tiny.py::test_w8a8_version_serves"),
     ("spec", "test_w8a8_speculation.py"),
     ("spec", "test_trained_tiny.py"),

@@ -9,6 +9,7 @@ Both variants (the DSpark and the NextN directory) share one trunk (the NextN di
 DSpark directory's trunk shard: tests/unit/test_shipped_tiny.py), so the DSpark directory's
 no-speculation server is the reference of all four."""
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -87,6 +88,27 @@ def test_greedy_equals_no_speculation_and_drafts_are_accepted(servers, prompts, 
     mean = sum(rates) / len(rates)
     print(f"{method}: accepted drafts per round {mean:.3f} (per request {[round(r, 2) for r in rates]})")
     assert mean >= FLOORS[method], (method, rates)
+
+
+def test_nextn_tree_with_graphs_and_round_shapes_serves_like_no_speculation(servers, prompts, reference):
+    """NextN tree (topk 2) under --enable-torch-compile with SGLANG_DSV4_NEXTN_SHAPE=adaptive: the
+    worker captures the target verify and the NextN draft steps per bucket, and picks each round's
+    shape (tree, chain or no draft) from its cost surface; greedy output equals no speculation
+    alone and together (whatever shapes the rounds took)."""
+    path, env, args = METHODS["nextn_tree2"]
+    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
+    env = {**env, "SGLANG_DSV4_COMPILE_BACKEND": "eager", "SGLANG_DSV4_NEXTN_SHAPE": "adaptive"}
+    srv = servers.get(path, *POOL, *args, *graphs, env=env)
+    assert srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"] == reference[0]
+    assert [o["output_ids"] for o in _concurrent(srv, prompts)] == reference
+    log = srv.log_text()
+    for rows in (20, 80):  # 1 and 4 requests x 5 paths of up to 4 tokens
+        assert f"verify of {rows} rows captured" in log, srv.log_tail(80)
+    for rows in (4, 16):  # 1 and 4 requests x 2 leaves x paths of 2 at the deepest step
+        assert f"NextN draft step of {rows} rows captured" in log, srv.log_tail(80)
+    assert "first replay of the captured NextN draft step" in log, srv.log_tail(80)
+    assert "NextN round shapes (SGLANG_DSV4_NEXTN_SHAPE=adaptive): ['plain', 'chain', 'tree']" in log
+    assert re.search(r"NextN worker: \d+ rounds, .*; shapes (chain|plain|tree) \d+", log), srv.log_tail(80)
 
 
 def test_w8a8_version_serves(servers, tiny_w8a8, prompts, reference):

@@ -1,0 +1,175 @@
+"""NextN's round shape per round (speculative/shapes.py): on synthetic cost surfaces the planner takes
+the tree where rows are free, the chain where they are dear, no draft where drafting costs more than
+it gives, explores the shapes it does not take, learns acceptances and draft times from the rounds,
+and hands every rank the same tables; and rounds that change shape stay greedy-identical to plain
+decoding in process (real NextN drafts, and the replay drafter's full / partial / zero
+acceptance)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from oracles.decode import plain_greedy
+
+from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.speculative import shapes as S
+from sglang_dsv4_ascend.speculative.cost import RoundCost
+from sglang_dsv4_ascend.speculative.drafters import NextNDrafter, ReplayDrafter
+from sglang_dsv4_ascend.speculative.engine import SpecEngine
+
+TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
+
+
+def _surface(per_row):
+    """A round without its draft: 10 ms plus `per_row` seconds a verified row."""
+    return RoundCost(0.01, [1, 16], [0.0, 0.0], [1, 400], [0.0, per_row * 399])
+
+
+def _planner(per_row, chain_draft=0.002, tree_draft=0.004, accepted=(1.5, 2.2), rows_tree=9.0):
+    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS)
+    pl.seed(
+        _surface(per_row), {"chain": [(1, chain_draft), (16, chain_draft)], "tree": [(1, tree_draft), (16, tree_draft)]}
+    )
+    pl.accepted["chain"], pl.accepted["tree"] = accepted
+    pl.rows["tree"] = rows_tree
+    return pl
+
+
+def test_rows_free_tree_rows_dear_chain_draft_dear_none():
+    """Chain: 2.5 tokens for 4 rows and 2 ms of drafting; tree: 3.2 tokens for 9 rows and 4 ms."""
+    assert _planner(0.0).choose(4) == "tree"
+    assert _planner(0.001).choose(4) == "chain"  # the tree's 5 rows more cost 20 ms at batch 4
+    # drafting 60 ms a round: 2.5 tokens in 10 + 60 + rows ms do not beat 1 token in 10
+    assert _planner(0.0, chain_draft=0.06, tree_draft=0.06).choose(4) == "plain"
+
+
+def test_a_planner_blind_to_the_draft_stage_is_caught(monkeypatch):
+    """The broken variant prices a round without its draft: it keeps drafting at any draft cost."""
+    monkeypatch.setattr(S.ShapePlanner, "draft_seconds", lambda self, shape, R: 0.0)
+    assert _planner(0.0, chain_draft=0.06, tree_draft=0.06).choose(4) != "plain"
+
+
+def test_shapes_not_taken_are_explored():
+    pl = _planner(0.0)
+    picks = [pl.choose(4) for _ in range(64)]
+    assert picks.count("tree") >= 60
+    assert [i for i, s in enumerate(picks) if s == "chain"] and [i for i, s in enumerate(picks) if s == "plain"]
+    gaps = [i for i, s in enumerate(picks) if s == "plain"]
+    assert all(b - a >= pl.explore - 1 for a, b in zip(gaps, gaps[1:]))
+
+
+def test_rounds_teach_acceptance_rows_and_draft_times():
+    """The tree accepts nothing and drafts slowly on this machine: fed such rounds the planner moves
+    to the chain."""
+    pl = _planner(0.0, chain_draft=0.002, tree_draft=0.002, accepted=(1.5, 2.5))
+    assert pl.choose(4) == "tree"
+    for _ in range(64):
+        pl.learn("tree", 4, 40, [1, 1, 1, 1], 0.04, 0.02)
+        pl.learn("chain", 4, 16, [3, 2, 3, 2], 0.02, 0.002)
+    assert pl.accepted["tree"] < 0.01 and pl.rows["tree"] == pytest.approx(10.0, rel=0.01)
+    assert pl.draft_seconds("tree", 4) == pytest.approx(0.02)
+    assert pl.choose(4) == "chain"
+
+
+def test_ranks_take_rank_zeros_tables():
+    """Each rank times its own drafts; at every refit `agree` hands every rank rank 0's table."""
+    seen = []
+
+    def agree(x):
+        seen.append(x)
+        return {s: [(1, 0.5)] for s in x} if isinstance(x, dict) else x
+
+    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS, agree=agree)
+    pl.seed(_surface(0.0), {"chain": [(1, 0.001)], "tree": [(1, 0.001)]})
+    for _ in range(pl.every):
+        pl.learn("tree", 1, 9, [3], 0.01, 0.001)
+    assert any(isinstance(x, dict) for x in seen) and pl.draft_seconds("tree", 1) == 0.5
+
+
+def test_no_surface_keeps_the_configured_shape():
+    assert S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS).choose(4) == "tree"
+    assert S.ShapePlanner(1, STEPS, STEPS + 1).choose(4) == "chain"
+    assert S.ShapePlanner(1, STEPS, STEPS + 1).shapes == ["plain", "chain"]
+
+
+# -- rounds that change shape stay lossless -----------------------------------------------------
+PROMPTS = (61, 7, 100, 30)
+N_NEW = 16
+
+
+class Cycle:
+    """A shape planner that takes tree, chain, plain in turn (fixed before each round's draws)."""
+
+    def __init__(self):
+        self.real = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS)
+        self.geometry, self.n, self.last, self.taken = self.real.geometry, 0, {}, []
+
+    def choose(self, R):
+        shape = ("tree", "chain", "plain")[self.n % 3]
+        self.n += 1
+        self.last = {"shape": shape, "skipped_draft": shape == "plain"}
+        return shape
+
+    def learn(self, shape, R, rows, accept_lens, seconds, draft_seconds):
+        self.taken.append((shape, rows, list(accept_lens)))
+
+
+def _serve(trunk, nextn, drafter, prompts):
+    host = types.SimpleNamespace(model=trunk, nextn=nextn, cfg=trunk.cfg)
+    cache = trunk.make_cache(len(prompts), 160, DRAFT_TOKENS)
+    eng = SpecEngine(host, cache, drafter, torch.Generator(), topk=TOPK, num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS)
+    eng.shapes = Cycle()
+    aux = {}
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    h = trunk(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
+    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    lens = [len(p) for p in prompts]
+    while min(map(len, got)) < N_NEW:
+        live = [s for s in range(len(got)) if len(got[s]) < N_NEW]
+        hist = [prompts[s] + got[s] for s in live]
+        r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, hist, live)
+        assert r.plan["shape"] == eng.shapes.taken[-1][0]
+        for s, e, a in zip(live, r.emitted, r.accept_lens):
+            got[s] += e
+            lens[s] += a
+    return [g[:N_NEW] for g in got], eng.shapes.taken
+
+
+@pytest.fixture(scope="module")
+def tiny(dsv4_model, tiny_ckpt):
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+
+    trunk = dsv4_model("flash")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in PROMPTS]
+    return trunk, load_nextn_from_dir(tiny_ckpt("flash"), trunk.cfg), prompts, plain_greedy(trunk, prompts, N_NEW)
+
+
+def test_changing_shapes_with_real_drafts_is_greedy_identical(tiny):
+    trunk, nextn, prompts, want = tiny
+    got, taken = _serve(trunk, nextn, NextNDrafter, prompts)
+    assert got == want
+    by = {s: [t for t in taken if t[0] == s] for s in ("tree", "chain", "plain")}
+    assert all(by.values())
+    # a chain round verifies steps + 1 rows a request, a plain one the anchor alone
+    assert all(rows == len(acc) * (STEPS + 1) for _, rows, acc in by["chain"])
+    assert all(rows == len(acc) and set(acc) == {1} for _, rows, acc in by["plain"])
+    assert all(rows > len(acc) * (STEPS + 1) for _, rows, acc in by["tree"])
+
+
+def test_changing_shapes_under_replayed_acceptance_is_greedy_identical(tiny, tmp_path):
+    """Full, partial and zero acceptance (replay drafter) through tree, chain and plain rounds."""
+    trunk, nextn, prompts, want = tiny
+    path = tmp_path / "replay.json"
+    modes = ["full", "partial:1", "zero", "sibling"]
+    path.write_text(json.dumps({"sequences": [p + w for p, w in zip(prompts, want)], "modes": modes}))
+    got, taken = _serve(trunk, nextn, lambda e: ReplayDrafter(e, str(path)), prompts)
+    assert got == want
+    full = [acc[0] for shape, _, acc in taken if shape != "plain" and len(acc) == len(prompts)]
+    assert full and max(full) == STEPS + 1  # the full-acceptance request took whole paths
