@@ -125,16 +125,18 @@ class WriteLists:
     rows: dict  # ratio -> (src rows, dst ring rows (flattened [S * Rc]))
     entries: dict  # ratio -> (new-entry numbers to store, their rows in the entry store)
     state_segs: list = field(default_factory=list)  # (slot, start, stored n, first row) per stored segment
-    static: bool = False  # a bucket plan: same ops every step, so it drops states instead of saving them
+    static: bool = False  # a bucket plan's store inside its captured forward: drops states, saves none
     _states: tuple = field(default=None, repr=False)
 
     def states(self, cache):
         """The prefix states this store completes (prefix_state.py), reserved on the first store
         that uses these lists: a variant that is never stored (the whole-forward lists of a
         verify whose rows get rejected) must not claim states it never writes."""
-        # A bucket plan saves none (same ops every step); the boundaries it completes were
-        # forgotten when it was built. Tested first: a captured forward must not read the host
-        # list below, which changes every step.
+        # A bucket plan's whole-forward store runs inside the captured forward (a decode) and
+        # saves none (same ops every step); the boundaries it completes were forgotten when the
+        # plan was built. Tested first: a captured forward must not read the host list below,
+        # which changes every step. Its accepted-prefix stores (a captured verify's commit,
+        # cache.apply after the forward, eager) save them as an eager plan's do.
         if self.static or cache.prefix is None or not self.state_segs:
             return None
         if self._states is None:
@@ -342,7 +344,7 @@ def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
     state_segs = [
         (int(sl), int(L), int(k), int(f)) for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0
     ]
-    return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None)
+    return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None and not accepted)
 
 
 class PlanBuffers:

@@ -217,6 +217,52 @@ def test_the_seed_is_measured_at_the_rows_rounds_run_at(captured, monkeypatch):
     assert graphs.replays - before == 3 * len(cost.points)  # one warm-up, best of two
 
 
+def _saved(store) -> dict:
+    """(key, boundary) -> every layer's saved window and open compressor rows."""
+    out = {}
+    for idx, key in enumerate(store._key):
+        if key >= 0:
+            rows = [t[idx] for layer in store.rows for pair in layer.values() for t in pair]
+            out[key, store._boundary[idx]] = [t[idx] for t in store.swa] + rows
+    return out
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_captured_rounds_save_prefix_states_as_eager_ones(setup, captured, monkeypatch, broken):
+    """A captured verify's commit (the accepted prefixes, stored after the forward) saves the prefix
+    states of the page boundaries it completes, as an eager round's does: slot 1 crosses 128 and
+    slot 4 crosses 256 while decoding. The broken variant: a bucket plan's accepted-prefix stores
+    save none (as its in-graph whole-forward store must not), and those boundaries are missing."""
+    model, prompts, want, replay = setup
+    cache, graphs = captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    monkeypatch.setattr(cache, "prefix", None)  # the shared cache gets its store back at teardown
+    cache.enable_prefix_states()
+    eager_cache = _cache(model)
+    eager_cache.enable_prefix_states()
+    if broken:
+        real = kv_plan._write_lists
+
+        def no_states(plan, lengths):
+            lists = real(plan, lengths)
+            lists.static = plan.bucket is not None
+            return lists
+
+        monkeypatch.setattr(kv_plan, "_write_lists", no_states)
+    eager, *_ = _serve(model, "dspark_static", prompts, replay, (eager_cache, None))
+    got, _, replayed, _ = _serve(model, "dspark_static", prompts, replay, captured)
+    assert eager == want and got == want and replayed
+    want_states, got_states = _saved(eager_cache.prefix), _saved(cache.prefix)
+    decoded = {(int(eager_cache.key_slots[s, b - 1]), b) for s, b in ((1, 128), (4, 256))}
+    assert decoded <= set(want_states)
+    if broken:
+        assert not decoded & set(got_states)
+        return
+    assert set(got_states) == set(want_states)
+    for k in want_states:
+        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-4, rtol=1e-4)
+
+
 def test_stale_accepted_write_lists_are_caught(setup, captured, monkeypatch):
     """Broken variant: the bucket's refresh keeps the accepted-prefix write lists an earlier round
     computed (another batch's rows), so this round's accepted rows are stored where those went."""
