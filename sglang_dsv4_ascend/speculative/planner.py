@@ -291,6 +291,7 @@ def measure_cost(
     agree=None,
     drafter=None,
     graphs=None,
+    ks=None,
 ):
     """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
     requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
@@ -304,12 +305,15 @@ def measure_cost(
     the same point: the stop is true everywhere once it is true on one rank (RankSync.any).
     `graphs` (graphs.VerifyGraphs): the verify as the rounds run it, captured where a bucket holds
     the rows; a point is then recorded at the bucket's rows (`graphs.rows_for`), as the planner
-    prices and the online learner records it (cost.Padded)."""
+    prices and the online learner records it (cost.Padded). `ks`: the rows per request to time
+    instead (each then measured at the fewest and the most requests whatever the budget: the
+    rows a NextN round verifies in each of its shapes, shapes.py)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
     Rs = [1]
     while Rs[-1] * 2 <= max(1, max_requests):
         Rs.append(Rs[-1] * 2)
-    ks = sorted({1, gamma // 2 + 1, gamma + 1})
+    given = ks
+    ks = sorted({1, gamma // 2 + 1, gamma + 1} if ks is None else set(ks))
     points, t_begin = [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
 
@@ -323,7 +327,9 @@ def measure_cost(
                 best = dt if best is None else min(best, dt)
         return best
 
-    corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in (ks[0], ks[-1])))
+    # given rows per request (`ks`: the shapes a NextN round may take) are each a corner
+    extremes = (ks[0], ks[-1]) if given is None else ks
+    corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in extremes))
     order = corners + [(R, k) for R in Rs for k in ks if (R, k) not in corners]
     draft_of = {}  # R -> seconds of its draft step (0 without a drafter), in measuring order
     for i, (R, k) in enumerate(order):

@@ -14,7 +14,8 @@ steps + 1 for the chain, the tree's sum of path lengths: learned from the rounds
 stage's seconds (0 for plain; per shape, by batch size, the median of its last rounds, seeded at
 startup). The round emits R * (1 + a_s) tokens, a_s the mean accepted drafts per request of the
 shape's recent rounds (an exponential average). The round takes the shape of most tokens per
-second; a shape not taken for `explore` rounds is taken once, so its figures stay current.
+second; a shape not taken for `explore` rounds is taken once, so its figures stay current, and
+each speculative shape is taken once before any choice (its acceptance is unknown until then).
 
 Lossless: the shape is fixed from finished rounds' timings and acceptances before this round
 drafts; given its shape a round is an ordinary NextN round (accept.py), so the choice can depend on
@@ -42,8 +43,10 @@ class ShapePlanner:
         self.shapes = [s for s in SHAPES if s != "tree" or topk > 1]
         self.configured = "tree" if topk > 1 else "chain"
         self.explore, self.every, self.agree = explore, every, agree
-        # optimistic until measured: every draft accepted, the tree verifying all its nodes as paths
-        self.accepted = {"plain": 0.0, "chain": float(steps), "tree": float(steps)}
+        # unknown until a round of the shape is seen (the first rounds take each shape once); the
+        # tree's rows at most every candidate on its own path
+        self.accepted = {"plain": 0.0, "chain": None, "tree": None}
+        self.seen = dict.fromkeys(SHAPES, 0)
         self.rows = {"plain": 1.0, "chain": steps + 1.0, "tree": float(topk * steps + 1)}
         self.online = None  # OnlineCost of a round without its draft stage
         self.pad = None  # rows -> the rows the verify runs at (a captured bucket)
@@ -71,9 +74,10 @@ class ShapePlanner:
     def choose(self, R: int) -> str:
         if self.online is None:
             return self.configured
-        tps = {s: R * (1.0 + self.accepted[s]) / max(1e-9, self.predict(s, R)) for s in self.shapes}
+        unseen = [s for s in self.shapes if self.accepted[s] is None]
+        tps = {s: R * (1.0 + (self.accepted[s] or 0.0)) / max(1e-9, self.predict(s, R)) for s in self.shapes}
         best = max(self.shapes, key=lambda s: (tps[s], s != "plain"))  # ties: speculate
-        stale = [s for s in self.shapes if s != best and self.since[s] + 1 >= self.explore]
+        stale = unseen or [s for s in self.shapes if s != best and self.since[s] + 1 >= self.explore]
         shape = stale[0] if stale else best
         for s in self.shapes:
             self.since[s] = 0 if s == shape else self.since[s] + 1
@@ -86,14 +90,24 @@ class ShapePlanner:
         )
         return shape
 
+    def describe(self) -> str:
+        """What the last choice weighed: each shape's accepted drafts, rows a request and
+        predicted tokens per second."""
+        acc = " ".join(f"{s} {self.accepted[s] or 0.0:.2f}" for s in self.shapes if s != "plain")
+        rows = " ".join(f"{s} {self.rows[s]:.1f}" for s in self.shapes)
+        tps = self.last.get("predicted_tokens_per_s")
+        return f"accepted drafts {acc}; rows/request {rows}; last predicted tok/s {tps}"
+
     def learn(self, shape: str, R: int, rows: int, accept_lens, seconds: float, draft_seconds: float) -> None:
         """A finished round: its shape, requests, verified rows, accept lengths (bonus included),
         wall seconds and its draft stage's seconds."""
         if self.online is None or not R:
             return
-        a = 0.1
+        self.seen[shape] += 1
+        a = max(0.1, 1.0 / self.seen[shape])  # the mean of the first ten rounds, then an average
         if shape != "plain":
-            self.accepted[shape] += a * (sum(accept_lens) / R - 1.0 - self.accepted[shape])
+            prev = self.accepted[shape] if self.accepted[shape] is not None else 0.0
+            self.accepted[shape] = prev + a * (sum(accept_lens) / R - 1.0 - prev)
             self.rows[shape] += a * (rows / R - self.rows[shape])
             self.drafts[shape].setdefault(R, deque(maxlen=9)).append(draft_seconds)
         rows = rows if self.pad is None else self.pad(rows)

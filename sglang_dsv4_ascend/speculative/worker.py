@@ -214,9 +214,15 @@ class DSV4SpecWorker(BaseSpecWorker):
         eng = self.engine
         planner = ShapePlanner(self.topk, self.num_steps, self.num_draft_tokens, agree=self.decisions.broadcast)
         max_requests = min(self.cache.num_slots, 16)
-        rows = int(planner.rows["tree" if self.topk > 1 else "chain"])
+        ks = sorted({int(planner.rows[s]) for s in planner.shapes})  # each shape's rows per request
         seed = measure_cost(
-            self.model.model, self.cache, rows - 1, max_requests=max_requests, agree=self.sync.any, graphs=eng.graphs
+            self.model.model,
+            self.cache,
+            ks[-1] - 1,
+            max_requests=max_requests,
+            agree=self.sync.any,
+            graphs=eng.graphs,
+            ks=ks,
         )
         drafts = measure_drafts(eng, planner, max_requests)
         seed, drafts = self.sync.broadcast((seed, drafts))  # timings differ per rank; rank 0's for all
@@ -340,7 +346,9 @@ class DSV4SpecWorker(BaseSpecWorker):
         self.stats.add(res)
         if self.algo != DSPARK_ALGO and self.stats.rounds % 32 == 0:
             # SGLang puts a worker's own figures into its decode log for DSpark only
-            logger.info("dsv4_ascend NextN worker: %d rounds, %s", self.stats.rounds, self.stats.log_suffix())
+            shapes = self.engine.shapes
+            why = "" if shapes is None else f"; {shapes.describe()}"
+            logger.info("dsv4_ascend NextN worker: %d rounds, %s%s", self.stats.rounds, self.stats.log_suffix(), why)
         stride = self.num_draft_tokens
         next_ids = [t for e in res.emitted for t in e + [0] * (stride - len(e))]
         accept = torch.tensor(res.accept_lens, dtype=torch.int32)

@@ -61,6 +61,18 @@ def test_shapes_not_taken_are_explored():
     assert all(b - a >= pl.explore - 1 for a, b in zip(gaps, gaps[1:]))
 
 
+def test_each_speculative_shape_is_seen_before_choosing():
+    """Acceptance is unknown until a shape's round is seen: the first rounds take each once."""
+    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS)
+    pl.seed(_surface(0.0), {"chain": [(1, 0.002)], "tree": [(1, 0.004)]})
+    assert pl.choose(1) == "chain"
+    pl.learn("chain", 1, 4, [3], 0.02, 0.002)
+    assert pl.choose(1) == "tree"
+    pl.learn("tree", 1, 9, [1], 0.03, 0.004)
+    assert pl.accepted == {"plain": 0.0, "chain": 2.0, "tree": 0.0}
+    assert pl.choose(1) == "chain"
+
+
 def test_rounds_teach_acceptance_rows_and_draft_times():
     """The tree accepts nothing and drafts slowly on this machine: fed such rounds the planner moves
     to the chain."""
