@@ -83,3 +83,23 @@ def inductor_without_freezing() -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.freezing = False
+
+
+def memory_mib() -> float:
+    """Memory this process holds where its tensors live, in MiB, for capture logs: on CPU the
+    resident set (/proc/self/statm; the peak, from getrusage, where there is no /proc); on CUDA
+    the allocator's allocated bytes. On an NPU it reports the host's resident set too (torch_npu's
+    allocator is not read: this module must not import it)."""
+    if device_family() == "cuda":
+        import torch
+
+        return torch.cuda.memory_allocated() / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

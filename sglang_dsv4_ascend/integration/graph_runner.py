@@ -3,7 +3,7 @@
 the platform seam `get_graph_runner_cls` (an out-of-tree platform must name one for capture to
 run). It changes two things: the compiler, from SGLANG_DSV4_COMPILE_BACKEND (inductor by default,
 as SGLang compiles; dynamo's trace alone to debug a capture or to test one quickly), and inductor's
-freezing, off; and it logs each batch size's capture time.
+freezing, off; and it logs each batch size's capture time and the memory it added.
 
 What makes DeepSeek-V4 capturable is in the backend and the model, not here: one persistent
 plan per batch size refreshed before every replay (attention_backend/backend.py,
@@ -17,7 +17,7 @@ import time
 import torch
 
 from .. import settings
-from ..device import inductor_without_freezing
+from ..device import inductor_without_freezing, memory_mib
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 _CLS = None
@@ -37,12 +37,14 @@ def cpu_graph_runner_cls():
                         torch.no_grad()(self.model_runner.model.forward), dynamic=False, backend=compiler
                     )
                 tic = time.perf_counter()
+                mem = memory_mib()
                 out = super().capture_one_batch_size(bs, forward, skip_cross_attention)
                 logger.info(
-                    "dsv4_ascend: decode batch size %d captured (torch.compile, %s) in %.1f s",
+                    "dsv4_ascend: decode batch size %d captured (torch.compile, %s) in %.1f s, %+.1f MiB",
                     bs,
                     compiler,
                     time.perf_counter() - tic,
+                    memory_mib() - mem,
                 )
                 return out
 

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..device import memory_mib
 from ..kvcache import plan as kv_plan
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -63,7 +64,7 @@ class RowGraphs:
     def capture(self, log=logger.info) -> None:
         """Trace every bucket now (startup), on a plan of padding rows only."""
         for i, b in enumerate(self.buckets):
-            tic = time.perf_counter()
+            tic, mem = time.perf_counter(), memory_mib()
             plan = self.buffers.load([], b)
             # ids and positions distinct tensors, as in a round: aliasing is guarded on too
             ids, pos = (torch.zeros(b.rows, dtype=torch.long, device=self.cache.device) for _ in range(2))
@@ -74,7 +75,7 @@ class RowGraphs:
                 self._forward(ids, pos, plan, [], self._blank(b.rows))
             for _ in range(2):  # a warm-up run, then the one that is kept
                 self.fn(ids, pos, plan, [], self._blank(b.rows))
-            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {time.perf_counter() - tic:.1f} s")
+            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {_spent(tic, mem)}")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         T = sum(s.length for s in segments)
@@ -188,13 +189,13 @@ class DraftGraphs:
     @torch.no_grad()
     def capture(self, log=logger.info) -> None:
         for i, n in enumerate(self.sizes):
-            tic = time.perf_counter()
+            tic, mem = time.perf_counter(), memory_mib()
             bufs = self._load(n, [], [], torch.zeros(0, dtype=torch.long, device=self.cache.rings.device))
             if i == 0:  # an eager run first: what the stages build lazily exists before the trace
                 self._forward(*bufs)
             for _ in range(2):
                 self.fn(*bufs)
-            log(f"dsv4_ascend: DSpark draft block of {n} requests captured in {time.perf_counter() - tic:.1f} s")
+            log(f"dsv4_ascend: DSpark draft block of {n} requests captured in {_spent(tic, mem)}")
 
     @torch.no_grad()
     def run(self, slots, starts, anchors: torch.Tensor):
@@ -210,3 +211,8 @@ class DraftGraphs:
         U, h = self.fn(*self._load(n, slots, starts, anchors))
         rows = len(slots) * self.gamma
         return U[:rows].view(len(slots), self.gamma, -1), h[:rows].view(len(slots), self.gamma, -1)
+
+
+def _spent(tic: float, mem: float) -> str:
+    """A capture's time and the memory it added (device.memory_mib: resident on CPU)."""
+    return f"{time.perf_counter() - tic:.1f} s, {memory_mib() - mem:+.1f} MiB"

@@ -8,6 +8,7 @@ The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager): what i
 the capture, the static plans and the replay through SGLang's runner; the code generator
 (inductor) is held to eager in process by tests/unit/test_graph_inductor.py."""
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -58,4 +59,5 @@ def test_captured_decode_equals_plain_decoding(ckpt, servers):
     assert out["output_ids"] == want[1][:6] and len(out["meta_info"]["output_token_logprobs"]) == 6
     log = srv.log_tail(400)
     assert "Capture target decode CPU graph end" in log and "bs=[4]" in log, log
+    assert re.search(r"decode batch size 4 captured \(torch.compile, eager\) in [\d.]+ s, [+-][\d.]+ MiB", log), log
     assert "first replay of the captured decode, batch size 4" in log, log

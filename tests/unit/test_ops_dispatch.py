@@ -80,3 +80,16 @@ def test_importing_ops_binds_nothing():
     assert r.returncode == 0, r.stderr
     loaded, active = r.stdout.split("\n")[:2]
     assert loaded == "['sglang_dsv4_ascend.ops.quant', 'sglang_dsv4_ascend.ops.reference']" and active == "0"
+
+
+def test_capture_logs_see_the_memory_a_capture_adds():
+    """device.memory_mib (what the capture log lines report on CPU: the resident set) grows by what
+    a new tensor touches."""
+    import torch
+
+    from sglang_dsv4_ascend.device import memory_mib
+
+    before = memory_mib()
+    held = torch.ones(64, 2**20 // 4)  # 64 MiB, every page written
+    assert memory_mib() - before > 48, (before, memory_mib())
+    del held

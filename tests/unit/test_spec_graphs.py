@@ -12,6 +12,7 @@ cache, as one server's would serve its rounds: a trace costs ~8 s here. The orac
 engine's eager verify on a fresh cache, and plain decoding (tests/oracles/decode.py)."""
 
 import json
+import re
 import types
 
 import pytest
@@ -326,9 +327,14 @@ def draft_captured(tiny_checkpoint):
     compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
     graphs = DraftGraphs(draft, eng.drafter.ctx, 4, (1, 4), trunk.embed, trunk.compute_logits, compile_fn)
     counters.clear()
-    graphs.capture(log=lambda msg: None)
+    logged = []
+    graphs.capture(log=logged.append)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for n, line in zip((1, 4), logged):  # its time and the memory it added
+        assert re.fullmatch(
+            rf"dsv4_ascend: DSpark draft block of {n} requests captured in [\d.]+ s, [+-][\d.]+ MiB", line
+        )
     eng.draft_graphs = graphs
     return trunk, draft, eng, graphs
 
