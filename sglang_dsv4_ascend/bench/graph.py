@@ -1,7 +1,8 @@
-"""Captured vs eager DeepSeek-V4 decode steps, in process, side by side in one run:
+"""Captured vs eager DeepSeek-V4 steps, in process, side by side in one run:
 
     python -m sglang_dsv4_ascend.bench step --graph [--model shipped|flash|pro] [--batch 1,4]
                                                     [--compiler inductor|aot_eager|eager] [--reps 10]
+                                                    [--parts decode,verify,draft]
 
 For each decode batch size: the step as the server runs it eager (a plan built per step), and the
 same step captured as SGLang's CPU graph runner captures it (torch.compile of the forward, one
@@ -9,6 +10,11 @@ persistent plan per batch size refreshed in place: kvcache/plan.PlanBuffers), wi
 capture took, the median step times, their ratio, and how far the captured logits are from the
 eager ones (max |diff| and whether every row's argmax agrees). The shipped model runs in its own
 dtype (bf16); the random presets in fp32. Times are medians of `--reps` after the capture.
+
+`--parts verify,draft` (shipped model, DSpark block 4): per batch size b, the speculative worker's
+own captured forwards (speculative/graphs.py) against their eager forms: the target verify of b
+whole blocks (b x 5 rows, writes deferred and dropped: VerifyGraphs) and the DSpark draft block
+of b requests (DraftGraphs), each with its capture time.
 """
 
 from __future__ import annotations
@@ -78,3 +84,92 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         rows.append(row)
         print(f"batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
     return {"decode": rows}
+
+
+def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: int, gamma: int = 4) -> dict:
+    import types
+
+    import sglang_dsv4_ascend as pkg
+
+    from ..batch import Segment
+    from ..device import inductor_without_freezing
+    from ..models.dspark import load_dspark_from_dir
+    from ..speculative.drafters import DSparkDrafter
+    from ..speculative.engine import SpecEngine
+    from ..speculative.graphs import DraftGraphs, VerifyGraphs
+
+    model = _model("shipped")
+    draft = load_dspark_from_dir(pkg.TINY_MODEL_PATH, model.cfg, dtype=torch.bfloat16)
+    slots = max(batches) + 1
+    host = types.SimpleNamespace(model=model, dspark=draft, cfg=model.cfg)
+    eng = SpecEngine(
+        host,
+        model.make_cache(slots, capacity, gamma + 1),
+        DSparkDrafter,
+        torch.Generator(),
+        gamma=gamma,
+        topk=1,
+        num_steps=gamma,
+        num_draft_tokens=gamma + 1,
+    )
+    cache, layer_ids = eng.cache, eng.drafter.layer_ids
+    g = torch.Generator().manual_seed(0)
+    for s in range(1, slots):  # a context for the target and the draft's rings
+        ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
+        aux = {"layer_ids": layer_ids}
+        model(ids, torch.arange(context), [Segment(s, 0, context)], cache, aux=aux)
+        eng.extend([Segment(s, 0, context)], None, aux, None, [])
+    if compiler == "inductor":
+        inductor_without_freezing()
+    compile_fn = lambda f: torch.compile(f, dynamic=False, backend=compiler)  # noqa: E731
+    width, out = gamma + 1, {}
+
+    def compare(name, b, capture_s, eager, graph, logits):
+        eager_ms, graph_ms = median_ms(eager, reps), median_ms(graph, reps)
+        a, c = logits(eager()), logits(graph())
+        row = {
+            "batch": b,
+            "capture_s": round(capture_s, 1),
+            "eager_ms": round(eager_ms, 2),
+            "graph_ms": round(graph_ms, 2),
+            "speedup": round(eager_ms / graph_ms, 2),
+            "max_logit_diff": float((a.float() - c.float()).abs().max()),
+            "argmax_agrees": bool(torch.equal(a.argmax(-1), c.argmax(-1))),
+        }
+        out.setdefault(name, []).append(row)
+        print(f"{name} {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
+
+    if "verify" in parts:
+        for b in batches:
+            one = VerifyGraphs(model, cache, width, [b * width], layer_ids, compile_fn)
+            t0 = time.perf_counter()
+            one.capture(log=lambda msg: None)
+            capture_s = time.perf_counter() - t0
+            segs = [Segment(s, context, width) for s in range(1, b + 1)]
+            ids = torch.randint(0, model.cfg.vocab_size, (b * width,), generator=g)
+            pos = torch.arange(context, context + width).repeat(b)
+
+            def eager():
+                return model(ids, pos, segs, cache, pending=[], aux={"layer_ids": layer_ids})
+
+            def graph():
+                return one.run(segs, ids, pos, [], {"layer_ids": layer_ids})
+
+            compare("verify", b, capture_s, eager, graph, model.compute_logits)
+    if "draft" in parts:
+        for b in batches:
+            one = DraftGraphs(draft, eng.drafter.ctx, gamma, [b], model.embed, model.compute_logits, compile_fn)
+            t0 = time.perf_counter()
+            one.capture(log=lambda msg: None)
+            capture_s = time.perf_counter() - t0
+            sl, starts = list(range(1, b + 1)), [context] * b
+            anchors = torch.randint(0, model.cfg.vocab_size, (b,), generator=g)
+
+            def eager():
+                return draft.block(eng.drafter.ctx, sl, starts, anchors, gamma, model.embed, model.compute_logits)
+
+            def graph():
+                return one.run(sl, starts, anchors)
+
+            compare("draft", b, capture_s, eager, graph, lambda uh: uh[0])
+    return out

@@ -4,7 +4,8 @@ side in one run, as ratios to size 1, with host syncs per forward and the mHC sh
 
     python -m sglang_dsv4_ascend.bench step [--preset flash|pro] [--batch 1,4,16,64] [--verify 1,4,8]
                                            [--context 200] [--reps 5] [--threads N]
-    python -m sglang_dsv4_ascend.bench step --graph ...   (captured vs eager decode: bench/graph.py)
+    python -m sglang_dsv4_ascend.bench step --graph ...   (captured vs eager decode, DSpark verify and
+                                                           draft: bench/graph.py)
 
 Each request slot first holds `--context` committed tokens (one prefill each). A decode step is one
 forward of B segments of one token; a verify step is one forward of one segment of w tokens. Writes
@@ -127,11 +128,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=200, help="committed tokens per request")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--graph", action="store_true", help="captured vs eager decode (bench/graph.py)")
+    ap.add_argument("--graph", action="store_true", help="captured vs eager steps (bench/graph.py)")
     ap.add_argument("--model", default=None, choices=["shipped", "flash", "pro"], help="with --graph (default shipped)")
     ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"], help="with --graph")
     ap.add_argument(
         "--capacity", type=int, default=32768, help="with --graph: the cache's context length (the server's on CPU)"
+    )
+    ap.add_argument(
+        "--parts",
+        default="decode",
+        help="with --graph: any of decode,verify,draft (verify and draft: DSpark's, block 4, shipped model only)",
     )
     a = ap.parse_args(argv)
     if a.graph:
@@ -178,6 +184,11 @@ def _graph_main(a, ap) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model = a.model or "shipped"
+    parts = [p for p in a.parts.split(",") if p]
+    if not parts or set(parts) - {"decode", "verify", "draft"}:
+        ap.error(f"--parts {a.parts}: expected some of decode,verify,draft")
+    if set(parts) & {"verify", "draft"} and model != "shipped":
+        ap.error("--parts verify / draft: the shipped model only (the random presets have no trained DSpark draft)")
     t0 = time.perf_counter()
     result = {
         "bench": "step --graph",
@@ -188,14 +199,19 @@ def _graph_main(a, ap) -> int:
             "capacity": a.capacity,
             "context": a.context,
             "batch": batches,
+            "parts": parts,
             "reps": a.reps,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "machine": platform.machine(),
             "processor": platform.processor(),
         },
-        "results": graph.run(model, batches, a.compiler, a.context, a.reps, a.capacity),
+        "results": {},
     }
+    if "decode" in parts:
+        result["results"].update(graph.run(model, batches, a.compiler, a.context, a.reps, a.capacity))
+    if set(parts) & {"verify", "draft"}:
+        result["results"].update(graph.run_spec(batches, parts, a.compiler, a.context, a.reps, a.capacity))
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
     return 0

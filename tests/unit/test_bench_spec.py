@@ -132,3 +132,18 @@ def test_dspark_bench_measures_static_adaptive_and_nextn_side_by_side():
     assert {"planner_predicted_tok_s", "measured_round_ms", "skipped_draft_rounds"} <= set(
         rows[("dspark_adaptive", "replay")]
     )
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--graph", "--parts", "decode,graphs"], "--parts decode,graphs: expected some of decode,verify,draft"),
+        (["--graph", "--parts", "draft", "--model", "flash"], "the shipped model only"),
+    ],
+)
+def test_bench_step_graph_refuses_parts_it_cannot_run(argv, says, capsys):
+    from sglang_dsv4_ascend.bench import step
+
+    with pytest.raises(SystemExit):
+        step.main(argv)
+    assert says in capsys.readouterr().err
