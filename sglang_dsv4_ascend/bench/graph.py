@@ -37,6 +37,19 @@ def _model(name: str):
     return tiny_model(name)
 
 
+def _row(batch, capture_s, eager_ms, graph_ms, eager_logits, graph_logits) -> dict:
+    """One batch size's line: times, speedup, and how far the captured logits are from eager's."""
+    return {
+        "batch": batch,
+        "capture_s": round(capture_s, 1),
+        "eager_ms": round(eager_ms, 2),
+        "graph_ms": round(graph_ms, 2),
+        "speedup": round(eager_ms / graph_ms, 2),
+        "max_logit_diff": float((graph_logits.float() - eager_logits.float()).abs().max()),
+        "argmax_agrees": bool(torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))),
+    }
+
+
 def run(model_name: str, batches, compiler: str, context: int, reps: int, capacity: int) -> dict:
     from ..batch import Segment
     from ..kvcache.plan import Bucket, PlanBuffers, build_plan
@@ -72,15 +85,7 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         out_e = eager()
         # both already ran once (the capture, the reference logits): no further warm-up
         eager_ms, graph_ms = median_ms(eager, reps, warmup=False), median_ms(graph, reps, warmup=False)
-        row = {
-            "batch": b,
-            "capture_s": round(capture_s, 1),
-            "eager_ms": round(eager_ms, 2),
-            "graph_ms": round(graph_ms, 2),
-            "speedup": round(eager_ms / graph_ms, 2),
-            "max_logit_diff": float((out_g.float() - out_e.float()).abs().max()),
-            "argmax_agrees": bool(torch.equal(out_g.argmax(-1), out_e.argmax(-1))),
-        }
+        row = _row(b, capture_s, eager_ms, graph_ms, out_e, out_g)
         rows.append(row)
         print(f"batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
     return {"decode": rows}
@@ -126,16 +131,7 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
 
     def compare(name, b, capture_s, eager, graph, logits):
         eager_ms, graph_ms = median_ms(eager, reps), median_ms(graph, reps)
-        a, c = logits(eager()), logits(graph())
-        row = {
-            "batch": b,
-            "capture_s": round(capture_s, 1),
-            "eager_ms": round(eager_ms, 2),
-            "graph_ms": round(graph_ms, 2),
-            "speedup": round(eager_ms / graph_ms, 2),
-            "max_logit_diff": float((a.float() - c.float()).abs().max()),
-            "argmax_agrees": bool(torch.equal(a.argmax(-1), c.argmax(-1))),
-        }
+        row = _row(b, capture_s, eager_ms, graph_ms, logits(eager()), logits(graph()))
         out.setdefault(name, []).append(row)
         print(f"{name} {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
 

@@ -26,7 +26,7 @@ from ..kvcache import plan as kv_plan
 from ..kvcache.cache import DSV4Cache
 from ..layers import RMSNorm
 from ..layers.mhc import hc_head
-from .trunk import Block, add_hc_head, cast_params, check_batch
+from .trunk import Block, add_hc_head, cast_params, layer_segments
 from .weights import iter_checkpoint, load_released_weights
 
 PREFIX = "mtp.0."
@@ -66,18 +66,7 @@ class NextN(Block):
         """One draft forward over `segments` (rows as in DSV4Model.forward). `input_ids` [T]: token
         i+1 of each row; `states` [T, hc, d]: X_i. Returns (hidden [T, d] for the shared head,
         output streams [T, hc, d] for the next chained step)."""
-        static = plan is not None and plan.bucket is not None
-        if not torch.compiler.is_compiling():  # a captured step's plan was checked when built
-            check_batch(
-                input_ids,
-                positions,
-                plan.segments if static else segments,
-                cache,
-                padded_to=plan.T if static else None,
-                deferred=pending is not None,
-            )
-        if static:
-            segments = ()  # a bucket plan is all the block reads (DSV4Model.forward says why)
+        segments = layer_segments(input_ids, positions, segments, cache, pending, plan)
         if plan is None and segments:
             plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         e = self.e_proj(self.enorm(embed(input_ids)))

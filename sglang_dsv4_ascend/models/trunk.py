@@ -152,20 +152,7 @@ class DSV4Model(nn.Module):
         `exchange`: under DP attention, the `DPExchange` that gives every MoE the other DP ranks'
         tokens too (distributed/dp_exchange.py; built here from the layout when not given); this
         forward may then have no rows at all."""
-        static = plan is not None and plan.bucket is not None
-        if not torch.compiler.is_compiling():  # host checks; a captured step's plan was checked when built
-            check_batch(
-                input_ids,
-                positions,
-                plan.segments if static else segments,
-                cache,
-                padded_to=plan.T if static else None,
-                deferred=pending is not None,
-            )
-        if static:
-            # A static (bucket) plan is all the layers read, and a captured forward must not see
-            # the request list: a traced function would be specialised on its length.
-            segments = ()
+        segments = layer_segments(input_ids, positions, segments, cache, pending, plan)
         if plan is None and self.attention_impl == "batched":
             plan = kv_plan.build_plan(segments, cache, device=input_ids.device)
         # The request boundary refuses such ids (integration/request_guard.py); this is the last line, without a
@@ -196,6 +183,24 @@ class DSV4Model(nn.Module):
         """fp32 logits [T, vocab] (the whole vocabulary on every rank), rounded as the served head
         rounds them (layers/vocab_parallel.head_matmul; `fp32_head` mirrors --enable-fp32-lm-head)."""
         return head_logits(self.head, hidden, self.layout, self.cfg.vocab_size, self.fp32_head)
+
+
+def layer_segments(input_ids, positions, segments, cache, pending, plan):
+    """A forward's batch checked on the host (check_batch; with a bucket plan, the plan's own
+    segments and its padded rows), and the segments its layers are given: none under a bucket
+    plan, which is then all they read. A captured forward must not see the request list: a
+    traced function would be specialised on its length; and its plan was checked when built."""
+    static = plan is not None and plan.bucket is not None
+    if not torch.compiler.is_compiling():
+        check_batch(
+            input_ids,
+            positions,
+            plan.segments if static else segments,
+            cache,
+            padded_to=plan.T if static else None,
+            deferred=pending is not None,
+        )
+    return () if static else segments
 
 
 def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=False) -> None:

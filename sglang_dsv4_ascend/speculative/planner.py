@@ -280,6 +280,26 @@ class Planner:
             self.online.observe(requests, rows, seconds, draft_seconds)
 
 
+def batch_sizes(max_requests: int) -> list:
+    """1, 2, 4, ... up to max_requests: the batch sizes a startup measurement times."""
+    Rs = [1]
+    while Rs[-1] * 2 <= max(1, max_requests):
+        Rs.append(Rs[-1] * 2)
+    return Rs
+
+
+def best_of(fn) -> float:
+    """Seconds of the faster of two calls of `fn` after an untimed warm-up."""
+    best = None
+    for rep in range(3):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if rep:
+            best = dt if best is None else min(best, dt)
+    return best
+
+
 @torch.no_grad()
 def measure_cost(
     trunk,
@@ -309,23 +329,11 @@ def measure_cost(
     instead (each then measured at the fewest and the most requests whatever the budget: the
     rows a NextN round verifies in each of its shapes, shapes.py)."""
     start = max(0, min(start, cache.max_context_len - gamma - 2))
-    Rs = [1]
-    while Rs[-1] * 2 <= max(1, max_requests):
-        Rs.append(Rs[-1] * 2)
+    Rs = batch_sizes(max_requests)
     given = ks
     ks = sorted({1, gamma // 2 + 1, gamma + 1} if ks is None else set(ks))
     points, t_begin = [], time.perf_counter()
     dev = cache.device if cache.device is not None else "cpu"
-
-    def best_of(fn):
-        best = None
-        for rep in range(3):
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            if rep:
-                best = dt if best is None else min(best, dt)
-        return best
 
     # given rows per request (`ks`: the shapes a NextN round may take) are each a corner
     extremes = (ks[0], ks[-1]) if given is None else ks

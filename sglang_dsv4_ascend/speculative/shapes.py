@@ -27,12 +27,12 @@ rank's at each refit (`agree`, spec_sync.RankSync.broadcast).
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 
 import torch
 
 from .cost import OnlineCost, Padded, interp
+from .planner import batch_sizes, best_of
 
 SHAPES = ("plain", "chain", "tree")
 
@@ -127,9 +127,6 @@ def measure_drafts(engine, planner: ShapePlanner, max_requests: int, start: int 
     shape's draft over R requests reading slot 0 (its writes discarded), best of two after a
     warm-up. The engine's shape is restored afterwards."""
     start = max(0, min(start, engine.cache.max_context_len - engine.num_steps - 2))
-    Rs = [1]
-    while Rs[-1] * 2 <= max(1, max_requests):
-        Rs.append(Rs[-1] * 2)
     kept = (engine.topk, engine.num_draft_tokens)
     out = {}
     try:
@@ -137,15 +134,10 @@ def measure_drafts(engine, planner: ShapePlanner, max_requests: int, start: int 
             if shape == "plain":
                 continue
             engine.topk, engine.num_draft_tokens = planner.geometry[shape]
-            out[shape] = []
-            for R in Rs:
-                best = None
-                for rep in range(3):
-                    t0 = time.perf_counter()
-                    engine.drafter.draft([0] * R, [start] * R, [0] * R, [[0]] * R)
-                    dt = time.perf_counter() - t0
-                    best = dt if rep and (best is None or dt < best) else best
-                out[shape].append((R, best))
+            out[shape] = [
+                (R, best_of(lambda: engine.drafter.draft([0] * R, [start] * R, [0] * R, [[0]] * R)))
+                for R in batch_sizes(max_requests)
+            ]
     finally:
         engine.topk, engine.num_draft_tokens = kept
     return out

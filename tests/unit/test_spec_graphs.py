@@ -339,21 +339,25 @@ def draft_captured(tiny_checkpoint):
     return trunk, draft, eng, graphs
 
 
-def _dspark_serve(trunk, eng):
-    """Prefill each prompt, then DSpark rounds (real drafts, static verify) over DRAFT_LIVE until
-    every request has N_NEW tokens -> (tokens per slot, every round's drafted chains)."""
+def _draft_serve(trunk, eng):
+    """Prefill DRAFT_PROMPTS (one per slot), then rounds with the engine's real drafts over
+    DRAFT_LIVE until every request has N_NEW tokens -> (tokens per slot, every round's drafted
+    trees as (tokens, parents), prompts)."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in DRAFT_PROMPTS]
-    aux = {"layer_ids": eng.drafter.layer_ids}
     segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    draft_cache = getattr(eng.drafter, "draft_cache", None)  # NextN's (a captured one is shared)
     for s in range(len(prompts)):
         eng.cache.reset_slot(s)
-    h = trunk(
-        torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, eng.cache, aux=aux
-    )
-    eng.extend(segs, None, aux, None, [])
+        if draft_cache is not None:
+            draft_cache.reset_slot(s)
+    aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
+    ids, pos = torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts])
+    h = trunk(ids, pos, segs, eng.cache, aux=aux)
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
     got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
+    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
     lens, drafted, step = [len(p) for p in prompts], [], 0
     while min(map(len, got)) < N_NEW:
         live = [s for s in DRAFT_LIVE[step % len(DRAFT_LIVE)] if len(got[s]) < N_NEW] or [
@@ -361,7 +365,7 @@ def _dspark_serve(trunk, eng):
         ]
         step += 1
         r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, None, live)
-        drafted.append([t.tokens for t in r.trees])
+        drafted.append([(t.tokens, t.parents) for t in r.trees])
         for s, e, a in zip(live, r.emitted, r.accept_lens):
             got[s] += e
             lens[s] += a
@@ -375,8 +379,8 @@ def test_captured_draft_block_drafts_what_eager_drafts(draft_captured, monkeypat
     trunk, draft, eng, graphs = draft_captured
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     eager_eng = dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None)
-    want_tokens, want_drafts, prompts = _dspark_serve(trunk, eager_eng)
-    got_tokens, got_drafts, _ = _dspark_serve(trunk, eng)
+    want_tokens, want_drafts, prompts = _draft_serve(trunk, eager_eng)
+    got_tokens, got_drafts, _ = _draft_serve(trunk, eng)
     assert want_tokens == plain_greedy(trunk, prompts, N_NEW)
     assert got_tokens == want_tokens and got_drafts == want_drafts
     assert graphs.replayed == {1, 4}
@@ -426,8 +430,8 @@ def nextn_captured(setup, tiny_ckpt):
 
 
 def _nextn_serve(trunk, nextn, shape, draft_cache=None, graphs=None):
-    """Prefill, then NextN rounds (real drafts) over DRAFT_LIVE until each request has N_NEW
-    tokens -> (tokens per slot, every round's drafted trees as (tokens, parents), prompts)."""
+    """_draft_serve with a NextN engine of `shape` (its draft steps captured when `graphs`, which
+    read `draft_cache`)."""
     from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
 
     topk, steps, n_draft = NEXTN_SHAPES[shape]
@@ -437,29 +441,7 @@ def _nextn_serve(trunk, nextn, shape, draft_cache=None, graphs=None):
     if draft_cache is not None:  # the captured steps read this one
         eng.drafter.draft_cache = draft_cache
     eng.draft_graphs = graphs
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in DRAFT_PROMPTS]
-    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
-    for s in range(len(prompts)):
-        eng.drafter.draft_cache.reset_slot(s)
-    aux = {}
-    h = trunk(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
-    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
-    lens, drafted, step = [len(p) for p in prompts], [], 0
-    while min(map(len, got)) < N_NEW:
-        live = [s for s in DRAFT_LIVE[step % len(DRAFT_LIVE)] if len(got[s]) < N_NEW] or [
-            s for s in range(len(got)) if len(got[s]) < N_NEW
-        ]
-        step += 1
-        r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, None, live)
-        drafted.append([(t.tokens, t.parents) for t in r.trees])
-        for s, e, a in zip(live, r.emitted, r.accept_lens):
-            got[s] += e
-            lens[s] += a
-    return [x[:N_NEW] for x in got], drafted, prompts
+    return _draft_serve(trunk, eng)
 
 
 @pytest.mark.parametrize("shape", list(NEXTN_SHAPES))
