@@ -10,6 +10,9 @@ returning something that would be silently wrong.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 
 import torch
@@ -83,6 +86,44 @@ class DSV4TokenToKVPool(KVCache):
         )
         self._finalize_allocation_log(size)
 
+    # -- PD disaggregation: what SGLang's transfer layer registers and sends ---------------------
+    head_num = 1  # DeepSeek-V4 attention is MQA: one KV head, whole on every rank
+
+    def get_contiguous_buf_infos(self):
+        """The paged stores, as SGLang's PD path registers a pool's KV: one buffer per compressed
+        entry store (C4 KV, C4 indexer keys, C128 KV per layer), one item per token-slot page. Entry
+        rows of page p are [p * page / r, (p + 1) * page / r) (rows are keyed by token slot // r),
+        so the transfer's page indices address them as they address other models' K/V pages."""
+        ptrs, lens, items = [], [], []
+        for st in self.cache.layers:
+            for name in sorted(st.entries):
+                e = st.entries[name]
+                row = e.shape[1] * e.element_size()
+                ptrs.append(e.data_ptr())
+                lens.append(e.shape[0] * row)
+                items.append(self.page_size // st.ratio * row)
+        return ptrs, lens, items
+
+    def request_row_tensors(self) -> list:
+        """The per-request state SGLang's PD path sends slot to slot (`StateType.REQUEST_ROW`, hook
+        pd_request_state): every layer's SWA ring and open compressor rows."""
+        return self.cache.slot_tensors()
+
+    def pd_layout(self, draft_tensors: list = ()) -> str:
+        """What both PD sides must share for a transfer to be exact, in the form SGLang compares
+        at bootstrap (`kv_args.kv_layout`, refused on a mismatch with both strings): the model's
+        config, the page, the dtype, and the bytes each paged store holds per page and each
+        per-slot tensor per slot (the speculative draft's separately)."""
+        conf = json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str)
+        _, _, page_bytes = self.get_contiguous_buf_infos()
+        rows = request_row_buf_infos(self.request_row_tensors())[2]
+        draft = request_row_buf_infos(list(draft_tensors))[2]
+        return (
+            f"dsv4_ascend(config {hashlib.sha256(conf.encode()).hexdigest()[:12]}, page {self.page_size}, "
+            f"{str(self.dtype).removeprefix('torch.')}, paged {len(page_bytes)} stores {sum(page_bytes)} B/page, "
+            f"request rows {len(rows)} tensors {sum(rows)} B/slot, draft rows {len(draft)} tensors {sum(draft)} B/slot)"
+        )
+
     def get_kv_size_bytes(self):
         return self.cache.nbytes()["total"] + (self.cache.prefix.nbytes() if self.cache.prefix else 0)
 
@@ -94,3 +135,16 @@ class DSV4TokenToKVPool(KVCache):
         )
 
     get_key_buffer = get_value_buffer = get_kv_buffer = set_kv_buffer = _no_token_buffers
+
+
+def request_row_buf_infos(tensors: list):
+    """(pointers, byte lengths, bytes per request slot) of per-slot tensors [slots, ...], as
+    SGLang's `append_state_component` takes them."""
+    ptrs, lens, items = [], [], []
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"dsv4_ascend PD: a per-slot state tensor {tuple(t.shape)} is not contiguous")
+        ptrs.append(t.data_ptr())
+        lens.append(t.numel() * t.element_size())
+        items.append(t[0].numel() * t.element_size())
+    return ptrs, lens, items

@@ -283,6 +283,16 @@ class DSV4Cache:
                 out[f"layers.{i}.{name}.entries"] = e
         return out
 
+    def slot_tensors(self) -> list:
+        """Every tensor indexed by request slot first (the rings), in one fixed order: what a
+        request's state is besides the entries its token slots map to (PD sends these per slot)."""
+        out = []
+        for st in self.layers:
+            out.append(st.swa)
+            for name in sorted(st.rows):
+                out.extend(st.rows[name])
+        return out
+
     def slot_state(self, slot: int) -> dict:
         """Copies of everything `slot` owns: its rings and its entries (through token_slots)."""
         out = {}

@@ -111,6 +111,11 @@ class NextNDrafter:
             self.root_logits[slots] = w.model.model.compute_logits(hidden[rows])
             self.root_streams[slots] = out[rows].to(self.root_streams.dtype)
 
+    def request_row_tensors(self) -> list:
+        """The draft state of each request slot, for PD: the draft cache's rings and the last
+        committed row's logits and streams."""
+        return self.draft_cache.slot_tensors() + [self.root_logits, self.root_streams]
+
     def draft(self, slots, starts, bonus, histories=None, sampling=None):
         w, root_streams = self.w, self.root_streams
         builders = [TreeBuilder(b, w.topk) for b in bonus]
@@ -204,6 +209,10 @@ class DSparkDrafter:
             (q >= 0).to(dev),
         )
 
+    def request_row_tensors(self) -> list:
+        """The draft state of each request slot, for PD: every stage's context ring."""
+        return list(self.ctx.rings.unbind(0))
+
     def extend(self, segments, next_tokens, aux, rows, finals):
         """Inject the target features of every committed row into each stage's ring."""
         if not segments:
@@ -294,6 +303,9 @@ class ReplayDrafter:
         for s in segments:
             if s.start == 0:
                 self.rounds[s.slot] = 0
+
+    def request_row_tensors(self) -> list:
+        return []  # its draft depends on the request's tokens only
 
     @staticmethod
     def _correct_depth(mode: str, rounds: int) -> int:

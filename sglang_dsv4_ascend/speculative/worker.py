@@ -73,6 +73,20 @@ class DSV4DraftInput(EagleDraftInput):
         self.topk_index = self.topk_index.new_zeros((len(self.bonus_tokens), 0))
 
 
+class DraftState:
+    """The speculative draft's per-request state, as SGLang's PD transfer sees a draft pool."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def get_contiguous_buf_infos(self):
+        return [], [], []  # no paged draft KV: everything is per request slot
+
+    def request_row_tensors(self) -> list:
+        self.worker._ensure_state()  # the engine is built lazily, after SGLang's pool
+        return self.worker.engine.drafter.request_row_tensors()
+
+
 class DSV4SpecWorker(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
@@ -108,6 +122,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 )
             self.model.capture_aux = {}
         self.engine = None
+        self.pd_prefill = str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
         self.stats = StageStats()
         # Every TP rank runs this worker on the same batch; its decisions must agree
         # (distributed/spec_sync.py says how each one does).
@@ -128,6 +143,12 @@ class DSV4SpecWorker(BaseSpecWorker):
     @property
     def cache(self):
         return self.runner.token_to_kv_pool.cache
+
+    @property
+    def primary_draft_kv_pool(self):
+        """What SGLang's PD path registers as the draft's pool: our draft state lives per request
+        slot and travels with the target's rows (hook pd_request_state); it has no paged KV."""
+        return DraftState(self)
 
     def _ensure_state(self):
         """The engine (draft cache, per-slot draft state) is sized like the target's cache, which
@@ -331,6 +352,11 @@ class DSV4SpecWorker(BaseSpecWorker):
         self.model.last_aux = None
         out.new_seq_lens = batch.seq_lens  # spec-v2 convention: the committed length
         out.next_draft_input = DSV4DraftInput(out.next_token_ids.to(torch.int64))
+        if self.pd_prefill and self.algo != DSPARK_ALGO:
+            # SGLang's PD prefill copies an EAGLE-family draft input's hidden states into the
+            # transfer's metadata; ours travels in the request rows, so these only fill that field.
+            mc = self.runner.model_config
+            out.next_draft_input.hidden_states = torch.zeros(len(batch.reqs), mc.spec_hidden_size, dtype=mc.dtype)
         return out
 
     def _decode(self, batch):

@@ -1,0 +1,95 @@
+"""Hook `pd_nixl_host_memory` (patches/README.md #18): NIXL on the CPU reference platform.
+
+Why a hook: SGLang's NIXL connector names the memory of every pool "VRAM" (state, staging and
+most transfer paths have it written in), and on a machine without a GPU that memory is host
+memory, which NIXL's UCX backend refuses to register as VRAM ("VRAM memory is detected as host by
+UCX"). And it builds its agent with NIXL's progress thread, which polls UCX without a pause
+(`pthrDelay = 0` in NIXL's Python API): measured here, one core per idle server, both cores of
+this machine with a prefill and a decode server up. There is no setting for either.
+
+On our CPU platform, before the connector registers anything, its agent is rebuilt with the same
+name and backend options without NIXL's progress thread, progressed instead by a thread that polls
+it once a millisecond (some progress is needed: SGLang's decode side never calls its agent after
+registering, and UCX over TCP needs the target to progress; without any, transfers stalled here),
+and wrapped so that every "VRAM" it passes NIXL is "DRAM". Registration, descriptors and transfers still go through
+NIXL and UCX. On a device platform the agent is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..compat import Hook
+
+logger = logging.getLogger("sglang_dsv4_ascend")
+
+DEVICE_KIND, HOST_KIND = "VRAM", "DRAM"
+
+
+class HostMemoryAgent:
+    """A `nixl_agent` whose memory-kind arguments say DRAM where SGLang says VRAM."""
+
+    def __init__(self, agent):
+        self._agent = agent
+
+    def __getattr__(self, name):
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return attr(*map(_host, args), **{k: _host(v) for k, v in kwargs.items()})
+
+        return call
+
+
+def _host(arg):
+    return HOST_KIND if isinstance(arg, str) and arg == DEVICE_KIND else arg
+
+
+PROGRESS_PERIOD_S = 0.001  # UCX progress on an idle agent: ~1k cheap calls a second instead of a spin
+
+
+def paced_agent(name: str, backends: dict):
+    """A NIXL agent `name` with these backends (name -> options), progressed by a daemon thread
+    that polls it once a millisecond instead of NIXL's progress thread."""
+    import threading
+    import time
+
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    config = nixl_agent_config(
+        enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    agent = nixl_agent(name, config)
+    for backend, options in backends.items():
+        agent.create_backend(backend, options)
+
+    def progress():
+        while True:
+            agent.get_new_notifs()  # progresses the agent's UCX workers (thread-safe: STRICT sync)
+            time.sleep(PROGRESS_PERIOD_S)
+
+    threading.Thread(target=progress, name="dsv4-nixl-progress", daemon=True).start()
+    return agent
+
+
+def host_memory_agent(self):
+    from ...device import accelerator
+
+    if accelerator() is not None or isinstance(self.agent, HostMemoryAgent):
+        return
+    name = self.agent.name
+    backends = {b: dict(self.agent.backend_options[b]) for b in self.agent.backends}
+    self.agent = None  # the old agent and its progress thread go before the new one starts
+    self.agent = HostMemoryAgent(paced_agent(name, backends))
+    logger.info("dsv4_ascend: NIXL agent on host memory (DRAM), progressed every %g ms", PROGRESS_PERIOD_S * 1e3)
+
+
+HOOK = Hook(
+    "pd_nixl_host_memory",
+    "sglang.srt.disaggregation.nixl.conn:NixlKVManager.register_buffer_to_engine",
+    ("self",),
+    "BEFORE",
+    host_memory_agent,
+)
