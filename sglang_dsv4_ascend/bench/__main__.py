@@ -10,6 +10,7 @@ BENCHES = {
     "w8a8": "sglang_dsv4_ascend.bench.w8a8",
     "prefix": "sglang_dsv4_ascend.bench.prefix",
     "indexcache": "sglang_dsv4_ascend.bench.indexcache",
+    "pd": "sglang_dsv4_ascend.bench.pd",
 }
 
 

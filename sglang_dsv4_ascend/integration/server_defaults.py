@@ -392,6 +392,10 @@ def model_adjustments(server_args, previous):
     if algo:
         # The worker runs rounds synchronously (SGLang declares this on CPU for EAGLE, not for DSPARK).
         decl["disable_overlap_schedule"] = True
+    if cfg.device == "cpu" and str(getattr(cfg, "disaggregation_mode", "null")) != "null":
+        # SGLang's overlapped PD loops record CUDA events (prefill.py maybe_send_cached_prefix_chunk):
+        # on CPU the prefill side died at its first radix hit.
+        decl["disable_overlap_schedule"] = True
     # SGLang's DeepSeek-V4 step turns "auto" into fp8_e4m3 (bfloat16 on NPU) for its own pools;
     # ours keep the model dtype, so the resolved value says so.
     decl["kv_cache_dtype"] = "auto"

@@ -165,6 +165,8 @@ SCHEDULE = [
     ("nextn", "test_graph_serving.py"),
     # the shipped model in bf16 (its own servers: one reference, every method)
     ("bf16", "test_bf16_lossless.py"),
+    # prefill/decode disaggregation: pairs of its own (and the unified reference server)
+    ("pd", "test_pd_serving.py"),
 ]
 
 

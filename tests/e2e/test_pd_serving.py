@@ -1,0 +1,160 @@
+"""Prefill/decode disaggregation of the shipped trained DeepSeek-V4 through SGLang's own PD path: a
+prefill server and a decode server (`--disaggregation-mode`, NIXL over UCX on host memory) behind
+SGLang's router (`sglang_router.launch_router --pd-disaggregation --mini-lb`), started by
+tools/pd.py as a user's command starts them.
+
+Greedy output through PD equals a unified server's, token for token, without speculation and with
+DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once, on chat prompts of
+132-187 tokens (past the 16-token window, many C4 blocks, a C128 block closed and the next one
+open when the state moves) and again when the prefill side's radix cache holds the prompt. The
+drafts keep being accepted: the draft's state moves with the target's. What each piece of the
+state is, and that dropping one is caught, is tests/unit/test_pd_state.py. Faults: peers whose
+layouts differ are refused at bootstrap naming both layouts; a request whose decode side is gone
+times out on the prefill side naming the request, which frees its slots and keeps serving (SGLang
+stops the mismatched decode server's scheduler with the refusal, as for any model)."""
+
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prompts import load_prompts
+
+import sglang_dsv4_ascend as pkg
+from sglang_dsv4_ascend.bench import headline
+from sglang_dsv4_ascend.tools.pd import PDServers
+from sglang_dsv4_ascend.tools.server import SGLangServer
+from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
+
+pytestmark = pytest.mark.e2e
+
+N_NEW = 48
+POOL = headline.POOL
+METHODS = ("nospec", "dspark_adaptive", "nextn_tree2")
+# well below what the same prompts accept unified (test_trained_tiny.py FLOORS)
+FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0}
+BOOTSTRAP_TIMEOUT_S = 20  # the prefill side's wait for a decode peer (SGLang's default: 300 s)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
+    return [
+        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(server_pool, prompts):
+    srv = server_pool.get(pkg.TINY_MODEL_PATH, *POOL)  # the unified server test_trained_tiny.py uses
+    return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+
+
+def _pd(method, env=None) -> PDServers:
+    path, method_env, flags = headline.METHODS[method]
+    return PDServers(path, *POOL, *flags, env={**method_env, **(env or {})}).start()
+
+
+def _accepted_per_round(meta) -> float:
+    h = meta["spec_correct_drafts_histogram"]
+    return sum(k * n for k, n in enumerate(h)) / max(1, sum(h))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pd_serves_like_a_unified_server(prompts, reference, method):
+    # the no-speculation pair ends with the fault checks: its prefill side gives up on a missing
+    # decode peer sooner than SGLang's default
+    quick = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}
+    pd = _pd(method, env=quick if method == "nospec" else None)
+    try:
+        single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
+        assert single.get("output_ids") == reference[0], (single, pd.prefill.log_tail(40), pd.decode.log_tail(40))
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: pd.generate(p, N_NEW, ignore_eos=True), prompts))
+        assert [o.get("output_ids") for o in outs] == reference, [o.get("error") for o in outs]
+        # the prefill side's radix cache holds prompts[0] now: a hit moves as state like a miss
+        hit = pd.generate(prompts[0], N_NEW, ignore_eos=True)
+        assert hit["meta_info"]["cached_tokens"] >= 128, hit["meta_info"]
+        assert hit["output_ids"] == reference[0]
+        if method in FLOORS:  # the draft resumed from the transferred state, so it keeps drafting well
+            rates = [_accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
+            assert sum(rates) / len(rates) >= FLOORS[method], rates
+        log = pd.prefill.log_text()
+        assert "NIXL agent on host memory (DRAM), progressed every 1 ms" in log
+        assert "Scheduler hit an exception" not in log + pd.decode.log_text()
+        if method == "nospec":
+            faults(pd, prompts)
+    finally:
+        pd.stop()
+
+
+def faults(pd: PDServers, prompts) -> None:
+    """Run on the no-speculation pair after its lossless checks (a test that kills its own decode
+    server owns the pair; tests/e2e/pool.py)."""
+    # A decode peer whose layout differs (DSpark's draft state and speculative rows on its side,
+    # none on this prefill side) is refused at bootstrap, naming both layouts: SGLang stops that
+    # decode server's scheduler with the message, as it does for any layout mismatch. The prefill
+    # side gives up on the request after its bootstrap timeout, naming it, and serves on.
+    path, env, flags = headline.METHODS["dspark_adaptive"]
+    other = SGLangServer(
+        path, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl", *POOL, *flags, env=env
+    ).start()
+    try:
+        pd.prefill.mark()
+        answer = _bootstrapped(pd, other, prompts[1])
+        assert answer.get("status") == 500 and "timed out" in answer["error"], answer
+        assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
+        pattern = r"prefill server has kv_layout=(.*), but decode server has kv_layout=(.*)\."
+        refusal = re.search(pattern, other.log_text())
+        assert refusal, other.log_tail(40)
+        assert "draft rows 0 tensors" in refusal[1] and "draft rows 3 tensors" in refusal[2], refusal[0]
+    finally:
+        other.stop(wait=False)
+    assert pd.prefill.alive and pd.prefill.used_tokens() == 0
+    assert pd.generate(prompts[1], 8).get("output_ids"), "the pair serves on after the refused peer"
+
+    # The decode side gone: a request through the router fails; one the prefill side holds for
+    # it (sent as the router sends it) times out there naming the request, and the prefill side
+    # frees its slots and serves on (its health check passes).
+    pd.decode.stop()
+    assert "error" in pd.generate(prompts[2], N_NEW)
+    pd.prefill.mark()
+    answer = _bootstrapped(pd, pd.decode, prompts[2])
+    assert answer.get("status") == 500 and "timed out" in answer["error"], answer
+    assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
+    assert pd.prefill.used_tokens() == 0
+    assert pd.prefill.alive and pd.prefill.get("/health")[0] == 200
+    assert "Scheduler hit an exception" not in pd.prefill.log_text()
+
+
+def _bootstrapped(pd: PDServers, decode: SGLangServer, input_ids) -> dict:
+    """One request sent to the pair's prefill server and to `decode` with one bootstrap room, as
+    SGLang's router sends it: the prefill side's answer (the decode side's is not waited for)."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": pd.bootstrap_port,
+        "bootstrap_room": int.from_bytes(os.urandom(7), "big"),
+    }
+
+    def post(srv, timeout):
+        req = urllib.request.Request(
+            srv.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return {"status": e.code, "error": e.read().decode(errors="replace")}
+        except OSError as e:
+            return {"status": None, "error": repr(e)}
+
+    threading.Thread(target=post, args=(decode, 30), daemon=True).start()
+    return post(pd.prefill, BOOTSTRAP_TIMEOUT_S + 60)
