@@ -19,6 +19,9 @@ its bytes are divided by the context. The baseline is a full MLA-style cache of 
 every layer keeps a 576-element latent (kv_lora 512 + rope 64) per token in the same dtype, as
 DeepSeek-V3 / V3.2 do. DeepSeek reports about 10 % at 1M tokens for V4-Pro vs V3.2; this counts
 only KV state (not V3.2's indexer keys), and includes our fixed per-request rings.
+`pd_transfer_bytes`: what prefill/decode disaggregation moves for one request of that context
+(the entry pages of its tokens and one request slot of every ring, as the pool describes them to
+SGLang's transfer layer; no speculative draft).
 
 With --index-topk-freq (IndexCache, config.index_topk_freq), also an `index_cache` block: for each
 freq the same `DSV4Cache` allocation with the config's freq replaced (a CSA layer that reuses its
@@ -35,6 +38,8 @@ import json
 import sys
 
 import torch
+
+from ..names import PAGE_SIZE
 
 # Published architecture fields (see docs/dsv4_reference.md §1.1, §1.3). Only what shapes
 # the caches matters here; the rest is filled so that the config validates.
@@ -99,6 +104,15 @@ CONTEXTS = (8192, 131072, 1048576)
 MLA_LATENT = 512 + 64
 
 
+def pd_transfer_bytes(cache, context: int, page: int) -> int:
+    """What prefill/decode disaggregation moves for one request of `context` tokens: the entry
+    pages its tokens occupy (every store's page / ratio rows) and one request slot of every ring,
+    as the pool describes them to SGLang's transfer layer (attention_backend/pool.py)."""
+    per_page = sum(page // st.ratio * e.shape[1] * e.element_size() for st in cache.layers for e in st.entries.values())
+    per_slot = sum(t[0].numel() * t.element_size() for t in cache.slot_tensors())
+    return -(-context // page) * per_page + per_slot
+
+
 def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
     from sglang_dsv4_ascend.config import DSV4Config
     from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
@@ -118,6 +132,7 @@ def measure(name: str, dtype: torch.dtype, spec_slack: int = 0) -> dict:
                 "mla_bytes_per_token": mla,
                 "ratio_vs_mla": round(per_tok / mla, 4),
                 "components_bytes_per_token": {k: round(v / ctx, 2) for k, v in nb.items() if k != "total"},
+                "pd_transfer_bytes": pd_transfer_bytes(cache, ctx, PAGE_SIZE),
             }
         )
     return {

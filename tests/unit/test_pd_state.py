@@ -229,3 +229,16 @@ def test_nixl_agent_on_host_memory_says_dram_where_sglang_says_vram():
     agent.register_memory([(1, 2, 0, "")], "DRAM")
     assert [c[1] for c in calls] == ["DRAM", "DRAM", "DRAM"] and calls[0][0] is descs and calls[1][2] == ["UCX"]
     assert agent.name == "a"
+
+
+def test_bench_cache_transfer_arithmetic_is_the_described_bytes(dsv4_model):
+    """`bench cache`'s pd_transfer_bytes (V4-Flash / -Pro shapes on the meta device) is what the
+    pool describes for a request of that length: its entry pages and one slot of every ring."""
+    from sglang_dsv4_ascend.bench.cache import pd_transfer_bytes
+
+    pool = _pool(dsv4_model("flash").cfg, 3, {0: [1, 2, 3]})
+    per_page = sum(pool.get_contiguous_buf_infos()[2])
+    per_slot = sum(request_row_buf_infos(pool.request_row_tensors())[2])
+    for length in (1, 128, 129, 300):
+        want = -(-length // PAGE) * per_page + per_slot
+        assert pd_transfer_bytes(pool.cache, length, PAGE) == want
