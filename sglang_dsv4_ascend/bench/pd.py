@@ -43,7 +43,24 @@ def prompt_tokens(model_path: str, prompts: list) -> list:
 
     tok = AutoTokenizer.from_pretrained(model_path)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
-    return [len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m in msgs]
+    texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    return [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
+
+
+def state_per_request(model_path: str, prompts: list, layout: dict) -> dict:
+    """The bytes each request's state takes across PD: its prompt's pages of entries, one slot of
+    every ring, and the draft's slot."""
+    lens = prompt_tokens(model_path, prompts)
+    per_req = [
+        -(-n // layout["page"]) * layout["bytes_per_page"] + layout["bytes_per_slot"] + layout["draft_bytes_per_slot"]
+        for n in lens
+    ]
+    return {
+        **layout,
+        "prompt_tokens_mean": round(sum(lens) / len(lens), 1),
+        "bytes_described_mean": round(sum(per_req) / len(per_req)),
+        "bytes_described_max": max(per_req),
+    }
 
 
 def _levels(url: str, args, prompts) -> list:
@@ -74,17 +91,8 @@ def main(argv=None) -> int:
     with PDServers(path, *headline.POOL, *flags, env=env) as pd:
         out["pd"] = _levels(pd.url, args, prompts)
         layout = layout_bytes(pd.prefill.log_text())
-    lens = prompt_tokens(path, [prompts[i % len(prompts)] for i in range(args.num_prompts)])
-    per_req = [
-        -(-n // layout["page"]) * layout["bytes_per_page"] + layout["bytes_per_slot"] + layout["draft_bytes_per_slot"]
-        for n in lens
-    ]
-    out["state_per_request"] = {
-        **layout,
-        "prompt_tokens_mean": round(sum(lens) / len(lens), 1),
-        "bytes_described_mean": round(sum(per_req) / len(per_req)),
-        "bytes_described_max": max(per_req),
-    }
+    sent = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
+    out["state_per_request"] = state_per_request(path, sent, layout)
     out["ratios_pd_over_unified"] = [
         {
             "concurrency": u["concurrency"],
