@@ -88,8 +88,14 @@ def test_greedy_nextn_equals_no_speculation(servers, ckpt, prompts, reference, c
         out = srv.generate(p, N_NEW, ignore_eos=True)
         assert out["output_ids"] == want
         assert out["meta_info"]["spec_verify_ct"] > 0
+    before = srv.server_info()["internal_states"][0]["nextn_info_record"]
     outs = _concurrent(srv, prompts)
     assert [o["output_ids"] for o in outs] == reference
+    # the worker's record in /get_server_info (hook nextn_info_record) counts exactly these
+    # requests' verify rounds, and times every stage
+    rec = srv.server_info()["internal_states"][0]["nextn_info_record"]
+    assert rec["request_rounds"] - before["request_rounds"] == sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    assert rec["rounds"] > before["rounds"] and rec["stage_ms_per_round"]["verify"] > 0, rec
     if extra:  # prefill chunks ran while requests were decoding: mixed steps happened
         assert re.search(r"Prefill batch.*#running-req: [1-9]", srv.log_since())
 

@@ -23,6 +23,7 @@ from . import (
     eagle_tree_page_check,
     generate_stream_refusals,
     http_request_gate,
+    nextn_info_record,
     nextn_worker_on_builtin_platforms,
     pd_draft_input,
     pd_mla_layout,
@@ -58,4 +59,5 @@ HOOKS = [
     pd_nixl_host_memory.HOOK,
     pd_mla_layout.HOOK,
     pd_draft_input.HOOK,
+    nextn_info_record.HOOK,
 ]
