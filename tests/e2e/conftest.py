@@ -155,6 +155,9 @@ SCHEDULE = [
     ("spec", "test_w8a8_speculation.py"),
     ("spec", "test_trained_tiny.py"),
     ("spec", "test_indexcache_serving.py"),  # IndexCache servers of their own (freq 2)
+    # prefill/decode disaggregation: pairs of its own (and the unified reference server); early, so
+    # that a long group does not end the run
+    ("pd", "test_pd_serving.py"),
     # NextN and the prefix cache on the random NextN checkpoint; boundaries and startup refusals
     ("nextn", "test_nextn_serving.py"),
     ("nextn", "test_prefix_cache_serving.py"),
@@ -165,8 +168,6 @@ SCHEDULE = [
     ("nextn", "test_graph_serving.py"),
     # the shipped model in bf16 (its own servers: one reference, every method)
     ("bf16", "test_bf16_lossless.py"),
-    # prefill/decode disaggregation: pairs of its own (and the unified reference server)
-    ("pd", "test_pd_serving.py"),
 ]
 
 

@@ -34,10 +34,12 @@ pytestmark = pytest.mark.e2e
 
 N_NEW = 48
 POOL = headline.POOL
-METHODS = ("nospec", "dspark_adaptive", "nextn_tree2")
+# DSpark's pair first: it stays up for the no-speculation pair's fault checks (a peer whose layout
+# differs), which run last
+METHODS = ("dspark_adaptive", "nextn_tree2", "nospec")
 # well below what the same prompts accept unified (test_trained_tiny.py FLOORS)
 FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0}
-BOOTSTRAP_TIMEOUT_S = 20  # the prefill side's wait for a decode peer (SGLang's default: 300 s)
+BOOTSTRAP_TIMEOUT_S = 8  # the prefill side's wait for a decode peer (SGLang's default: 300 s)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,19 @@ def reference(server_pool, prompts):
     return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
 
 
-def _pd(method, env=None) -> PDServers:
+@pytest.fixture(scope="module")
+def pairs():
+    """The pairs this module started, by method; every one stopped at the end."""
+    started = {}
+    yield started
+    for pd in started.values():
+        pd.stop()
+
+
+def _pd(pairs, method, env=None) -> PDServers:
     path, method_env, flags = headline.METHODS[method]
-    return PDServers(path, *POOL, *flags, env={**method_env, **(env or {})}).start()
+    pairs[method] = PDServers(path, *POOL, *flags, env={**method_env, **(env or {})})
+    return pairs[method].start()
 
 
 def _accepted_per_round(meta) -> float:
@@ -67,55 +79,49 @@ def _accepted_per_round(meta) -> float:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_pd_serves_like_a_unified_server(prompts, reference, method):
+def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     # the no-speculation pair ends with the fault checks: its prefill side gives up on a missing
     # decode peer sooner than SGLang's default
     quick = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}
-    pd = _pd(method, env=quick if method == "nospec" else None)
-    try:
-        single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
-        assert single.get("output_ids") == reference[0], (single, pd.prefill.log_tail(40), pd.decode.log_tail(40))
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(lambda p: pd.generate(p, N_NEW, ignore_eos=True), prompts))
-        assert [o.get("output_ids") for o in outs] == reference, [o.get("error") for o in outs]
-        # the prefill side's radix cache holds prompts[0] now: a hit moves as state like a miss
-        hit = pd.generate(prompts[0], N_NEW, ignore_eos=True)
-        assert hit["meta_info"]["cached_tokens"] >= 128, hit["meta_info"]
-        assert hit["output_ids"] == reference[0]
-        if method in FLOORS:  # the draft resumed from the transferred state, so it keeps drafting well
-            rates = [_accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
-            assert sum(rates) / len(rates) >= FLOORS[method], rates
-        log = pd.prefill.log_text()
-        assert "NIXL agent on host memory (DRAM), progressed every 1 ms" in log
-        assert "Scheduler hit an exception" not in log + pd.decode.log_text()
-        if method == "nospec":
-            faults(pd, prompts)
-    finally:
-        pd.stop()
+    pd = _pd(pairs, method, env=quick if method == "nospec" else None)
+    single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
+    assert single.get("output_ids") == reference[0], (single, pd.prefill.log_tail(40), pd.decode.log_tail(40))
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda p: pd.generate(p, N_NEW, ignore_eos=True), prompts))
+    assert [o.get("output_ids") for o in outs] == reference, [o.get("error") for o in outs]
+    # the prefill side's radix cache holds prompts[0] now: a hit moves as state like a miss
+    hit = pd.generate(prompts[0], N_NEW, ignore_eos=True)
+    assert hit["meta_info"]["cached_tokens"] >= 128, hit["meta_info"]
+    assert hit["output_ids"] == reference[0]
+    if method in FLOORS:  # the draft resumed from the transferred state, so it keeps drafting well
+        rates = [_accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
+        assert sum(rates) / len(rates) >= FLOORS[method], rates
+    log = pd.prefill.log_text()
+    assert "NIXL agent on host memory (DRAM), progressed every 1 ms" in log
+    assert "Scheduler hit an exception" not in log + pd.decode.log_text()
+    if method == "nextn_tree2":
+        pd.stop()  # not needed again
+    if method == "nospec":
+        other = pairs.get("dspark_adaptive") or _pd(pairs, "dspark_adaptive")  # (run alone: -k nospec)
+        faults(pd, other.decode, prompts)
 
 
-def faults(pd: PDServers, prompts) -> None:
-    """Run on the no-speculation pair after its lossless checks (a test that kills its own decode
-    server owns the pair; tests/e2e/pool.py)."""
+def faults(pd: PDServers, other: SGLangServer, prompts) -> None:
+    """Run on the no-speculation pair after its lossless checks (the module owns its pairs: these
+    checks stop decode servers; tests/e2e/pool.py). `other`: the DSpark pair's decode server."""
     # A decode peer whose layout differs (DSpark's draft state and speculative rows on its side,
     # none on this prefill side) is refused at bootstrap, naming both layouts: SGLang stops that
     # decode server's scheduler with the message, as it does for any layout mismatch. The prefill
     # side gives up on the request after its bootstrap timeout, naming it, and serves on.
-    path, env, flags = headline.METHODS["dspark_adaptive"]
-    other = SGLangServer(
-        path, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl", *POOL, *flags, env=env
-    ).start()
-    try:
-        pd.prefill.mark()
-        answer = _bootstrapped(pd, other, prompts[1])
-        assert answer.get("status") == 500 and "timed out" in answer["error"], answer
-        assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
-        pattern = r"prefill server has kv_layout=(.*), but decode server has kv_layout=(.*)\."
-        refusal = re.search(pattern, other.log_text())
-        assert refusal, other.log_tail(40)
-        assert "draft rows 0 tensors" in refusal[1] and "draft rows 3 tensors" in refusal[2], refusal[0]
-    finally:
-        other.stop(wait=False)
+    assert other.alive
+    pd.prefill.mark()
+    answer = _bootstrapped(pd, other, prompts[1])
+    assert answer.get("status") == 500 and "timed out" in answer["error"], answer
+    assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
+    pattern = r"prefill server has kv_layout=(.*), but decode server has kv_layout=(.*)\."
+    refusal = re.search(pattern, other.log_text())
+    assert refusal, other.log_tail(40)
+    assert "draft rows 0 tensors" in refusal[1] and "draft rows 3 tensors" in refusal[2], refusal[0]
     assert pd.prefill.alive and pd.prefill.used_tokens() == 0
     assert pd.generate(prompts[1], 8).get("output_ids"), "the pair serves on after the refused peer"
 
