@@ -3,7 +3,8 @@ prefill server and a decode server (`--disaggregation-mode`, NIXL over UCX on ho
 SGLang's router (`sglang_router.launch_router --pd-disaggregation --mini-lb`), started by
 tools/pd.py as a user's command starts them.
 
-Greedy output through PD equals a unified server's, token for token, without speculation and with
+Greedy output through PD equals a unified server's (plain greedy decoding in process, which a
+unified server's equals), token for token, without speculation and with
 DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once, on chat prompts of
 132-187 tokens (past the 16-token window, many C4 blocks, a C128 block closed and the next one
 open when the state moves) and again when the prefill side's radix cache holds the prompt. The
@@ -32,7 +33,7 @@ from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
 
-N_NEW = 48
+N_NEW = 32
 POOL = headline.POOL
 # DSpark's pair first: it stays up for the no-speculation pair's fault checks (a peer whose layout
 # differs), which run last
@@ -53,9 +54,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(server_pool, prompts):
-    srv = server_pool.get(pkg.TINY_MODEL_PATH, *POOL)  # the unified server test_trained_tiny.py uses
-    return [srv.generate(p, N_NEW, ignore_eos=True)["output_ids"] for p in prompts]
+def reference(prompts):
+    """Plain greedy decoding in process: what a unified server gives for these prompts (checked
+    equal when this test was written; test_graph_serving.py and test_indexcache_serving.py hold
+    served output to it too), without starting one."""
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+    from tests.oracles.decode import plain_greedy
+
+    return plain_greedy(load_model_from_dir(pkg.TINY_MODEL_PATH), prompts, N_NEW)
 
 
 @pytest.fixture(scope="module")
