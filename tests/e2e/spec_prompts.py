@@ -50,3 +50,9 @@ def check_replay_pattern(out, mode: str, steps: int) -> None:
         assert {0, 1, steps} <= set(correct), (mode, h)
     else:
         raise ValueError(f"unknown replay mode {mode!r}")
+
+
+def accepted_per_round(meta) -> float:
+    """Mean accepted drafts per verify round, from the round histogram SGLang reports."""
+    h = meta["spec_correct_drafts_histogram"]
+    return sum(k * n for k, n in enumerate(h)) / max(1, sum(h))

@@ -17,14 +17,13 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prompts import load_prompts
+from prompts import chat_ids, load_prompts
 from spec_prompts import check_replay_pattern, replay_drafter
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend import settings
 from sglang_dsv4_ascend.bench import headline
 from sglang_dsv4_ascend.tools.server import ServerFailed, SGLangServer
-from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -163,12 +162,7 @@ def test_w8a8_with_split_experts_is_refused(flash_w8a8):
 
 @pytest.fixture(scope="module")
 def chat():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
-    return [
-        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 3, max_chars=None)
-    ]
+    return chat_ids(3)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prompts import load_prompts
+from prompts import chat_ids
+from spec_prompts import accepted_per_round
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
 from sglang_dsv4_ascend.tools.pd import PDServers
 from sglang_dsv4_ascend.tools.server import SGLangServer
-from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +45,7 @@ BOOTSTRAP_TIMEOUT_S = 8  # the prefill side's wait for a decode peer (SGLang's d
 
 @pytest.fixture(scope="module")
 def prompts():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
-    return [
-        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)
-    ]
+    return chat_ids(4)
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +74,6 @@ def _pd(pairs, method, env=None) -> PDServers:
     return pairs[method].start()
 
 
-def _accepted_per_round(meta) -> float:
-    h = meta["spec_correct_drafts_histogram"]
-    return sum(k * n for k, n in enumerate(h)) / max(1, sum(h))
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     # the no-speculation pair ends with the fault checks: its prefill side gives up on a missing
@@ -100,7 +90,7 @@ def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     assert hit["meta_info"]["cached_tokens"] >= 128, hit["meta_info"]
     assert hit["output_ids"] == reference[0]
     if method in FLOORS:  # the draft resumed from the transferred state, so it keeps drafting well
-        rates = [_accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
+        rates = [accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
         assert sum(rates) / len(rates) >= FLOORS[method], rates
     log = pd.prefill.log_text()
     assert "NIXL agent on host memory (DRAM), progressed every 1 ms" in log

@@ -13,11 +13,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prompts import load_prompts
+from prompts import chat_ids
+from spec_prompts import accepted_per_round
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.tools.tiny_corpus import chat_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -36,12 +36,7 @@ FLOORS = {"nextn_chain": 0.9, "nextn_tree2": 1.0, "dspark_static": 1.0, "dspark_
 # that share their servers (tests/e2e/conftest.py SCHEDULE)
 @pytest.fixture(scope="session")
 def prompts():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pkg.TINY_MODEL_PATH)
-    return [
-        tok(chat_prompt(t), add_special_tokens=False).input_ids for t in load_prompts("humaneval", 4, max_chars=None)
-    ]
+    return chat_ids(4)
 
 
 @pytest.fixture(scope="session")
@@ -53,12 +48,6 @@ def reference(server_pool, prompts):
 def _concurrent(srv, prompts):
     with ThreadPoolExecutor(len(prompts)) as ex:
         return list(ex.map(lambda p: srv.generate(p, N_NEW, ignore_eos=True), prompts))
-
-
-def accepted_per_round(meta) -> float:
-    """Mean accepted drafts per verify round, from the round histogram SGLang reports."""
-    h = meta["spec_correct_drafts_histogram"]
-    return sum(k * n for k, n in enumerate(h)) / max(1, sum(h))
 
 
 def test_the_completion_is_readable_code(reference):
