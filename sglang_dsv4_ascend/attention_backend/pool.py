@@ -94,15 +94,10 @@ class DSV4TokenToKVPool(KVCache):
         entry store (C4 KV, C4 indexer keys, C128 KV per layer), one item per token-slot page. Entry
         rows of page p are [p * page / r, (p + 1) * page / r) (rows are keyed by token slot // r),
         so the transfer's page indices address them as they address other models' K/V pages."""
-        ptrs, lens, items = [], [], []
-        for st in self.cache.layers:
-            for name in sorted(st.entries):
-                e = st.entries[name]
-                row = e.shape[1] * e.element_size()
-                ptrs.append(e.data_ptr())
-                lens.append(e.shape[0] * row)
-                items.append(self.page_size // st.ratio * row)
-        return ptrs, lens, items
+        stores = self.cache.page_stores(self.page_size)
+        ptrs = [e.data_ptr() for e, _ in stores]
+        lens = [e.numel() * e.element_size() for e, _ in stores]
+        return ptrs, lens, [item for _, item in stores]
 
     def request_row_tensors(self) -> list:
         """The per-request state SGLang's PD path sends slot to slot (`StateType.REQUEST_ROW`, hook

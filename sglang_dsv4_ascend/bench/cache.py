@@ -108,7 +108,7 @@ def pd_transfer_bytes(cache, context: int, page: int) -> int:
     """What prefill/decode disaggregation moves for one request of `context` tokens: the entry
     pages its tokens occupy (every store's page / ratio rows) and one request slot of every ring,
     as the pool describes them to SGLang's transfer layer (attention_backend/pool.py)."""
-    per_page = sum(page // st.ratio * e.shape[1] * e.element_size() for st in cache.layers for e in st.entries.values())
+    per_page = sum(item for _, item in cache.page_stores(page))
     per_slot = sum(t[0].numel() * t.element_size() for t in cache.slot_tensors())
     return -(-context // page) * per_page + per_slot
 

@@ -283,6 +283,16 @@ class DSV4Cache:
                 out[f"layers.{i}.{name}.entries"] = e
         return out
 
+    def page_stores(self, page: int) -> list:
+        """Every compressed-entry store with the bytes one token-slot page of it holds (page / r
+        rows), in one fixed order: what PD moves by page (a request's other state: slot_tensors)."""
+        out = []
+        for st in self.layers:
+            for name in sorted(st.entries):
+                e = st.entries[name]
+                out.append((e, page // st.ratio * e.shape[1] * e.element_size()))
+        return out
+
     def slot_tensors(self) -> list:
         """Every tensor indexed by request slot first (the rings), in one fixed order: what a
         request's state is besides the entries its token slots map to (PD sends these per slot)."""
