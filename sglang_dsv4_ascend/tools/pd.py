@@ -29,6 +29,16 @@ from .server import HOST, ServerFailed, SGLangServer, free_port
 BACKEND = ("--disaggregation-transfer-backend", "nixl")
 
 
+def post_json(url: str, payload: dict, timeout: float = 300) -> dict:
+    """POST a JSON body; an error status comes back as {"status": code, "error": body}."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "error": e.read().decode(errors="replace")}
+
+
 class PDServers:
     """A prefill server, a decode server and the router in front of them."""
 
@@ -127,15 +137,8 @@ class PDServers:
         self.stop()
 
     def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
-        """POST through the router; an error status comes back as {"status": code, "error": body}."""
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return {"status": e.code, "error": e.read().decode(errors="replace")}
+        """POST through the router (`post_json`)."""
+        return post_json(self.url + path, payload, timeout)
 
     def generate(self, input_ids=None, max_new_tokens: int = 32, text: str | None = None, **sampling) -> dict:
         body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}

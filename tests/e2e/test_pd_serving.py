@@ -14,12 +14,9 @@ layouts differ are refused at bootstrap naming both layouts; a request whose dec
 times out on the prefill side naming the request, which frees its slots and keeps serving (SGLang
 stops the mismatched decode server's scheduler with the refusal, as for any model)."""
 
-import json
 import os
 import re
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +25,7 @@ from spec_prompts import accepted_per_round
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
-from sglang_dsv4_ascend.tools.pd import PDServers
+from sglang_dsv4_ascend.tools.pd import PDServers, post_json
 from sglang_dsv4_ascend.tools.server import SGLangServer
 
 pytestmark = pytest.mark.e2e
@@ -147,15 +144,9 @@ def _bootstrapped(pd: PDServers, decode: SGLangServer, input_ids) -> dict:
     }
 
     def post(srv, timeout):
-        req = urllib.request.Request(
-            srv.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return {"status": e.code, "error": e.read().decode(errors="replace")}
-        except OSError as e:
+            return post_json(srv.url + "/generate", body, timeout)
+        except OSError as e:  # the decode server may be gone
             return {"status": None, "error": repr(e)}
 
     threading.Thread(target=post, args=(decode, 30), daemon=True).start()
