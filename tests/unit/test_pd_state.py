@@ -231,6 +231,36 @@ def test_nixl_agent_on_host_memory_says_dram_where_sglang_says_vram():
     assert agent.name == "a"
 
 
+def test_a_timeout_names_the_peer_each_side_waited_for():
+    """Hook pd_timeout_peer on SGLang's KV managers' tables (the e2e faults run it served): the
+    prefill side names the decode peer that claimed the room, or that none did at its bootstrap
+    server with the peers it knows; the decode side names the prefill peer the room bootstrapped
+    from; a reason that is not a timeout passes through unchanged."""
+    from types import SimpleNamespace as NS
+
+    from sglang_dsv4_ascend.integration.hooks.pd_timeout_peer import name_peer
+
+    def recorded(mgr, room, reason):
+        out = {}
+        name_peer(lambda self, r, why: out.setdefault(r, why), mgr, room, reason)
+        return out[room]
+
+    timeout = "Request 7 timed out after 8.0s in KVPoll.Bootstrapping"
+    decode = NS(endpoint="10.0.0.2", dst_port=5001, agent_name="agent-d")
+    prefill = NS(bootstrap_host="10.0.0.1", bootstrap_port=8998, transfer_infos={7: {"agent-d": decode}})
+    prefill.decode_kv_args_table = {"agent-d": decode, "agent-e": NS(endpoint="10.0.0.3", dst_port=5002)}
+    assert recorded(prefill, 7, timeout) == timeout + "; decode peer 10.0.0.2:5001 (agent agent-d)"
+    assert recorded(prefill, 8, timeout) == (
+        timeout + "; no decode peer claimed the room at this prefill server's bootstrap server "
+        "10.0.0.1:8998 (decode peers registered: 10.0.0.2:5001, 10.0.0.3:5002)"
+    )
+    receiver = NS(addr_to_rooms_tracker={"10.0.0.1:8998": {7}, "10.0.0.9:8998": {9}})
+    assert recorded(receiver, 7, timeout).endswith("; prefill peer at bootstrap address 10.0.0.1:8998")
+    assert recorded(receiver, 8, timeout).endswith("; prefill peer unknown (never bootstrapped)")
+    assert recorded(prefill, 7, "Aborted by AbortReq.") == "Aborted by AbortReq."
+    assert "peer unavailable" in recorded(NS(transfer_infos=None), 7, timeout)  # never raises
+
+
 def test_bench_cache_transfer_arithmetic_is_the_described_bytes(dsv4_model):
     """`bench cache`'s pd_transfer_bytes (V4-Flash / -Pro shapes on the meta device) is what the
     pool describes for a request of that length: its entry pages and one slot of every ring."""

@@ -29,6 +29,7 @@ from . import (
     pd_mla_layout,
     pd_nixl_host_memory,
     pd_request_state,
+    pd_timeout_peer,
     request_normalize_errors,
     request_validation,
     spec_accept_length_from_rounds,
@@ -60,4 +61,5 @@ HOOKS = [
     pd_mla_layout.HOOK,
     pd_draft_input.HOOK,
     nextn_info_record.HOOK,
+    pd_timeout_peer.HOOK,
 ]
