@@ -158,7 +158,6 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     with PDServers(args.model, *server_flags) as pd:
         up = time.monotonic() - t0
-        up = time.monotonic() - t0
         print(f"[pd] up in {up:.0f} s: prefill {pd.prefill.url}, decode {pd.decode.url}, router {pd.url}")
         out = pd.generate(text=args.prompt, max_new_tokens=args.max_new_tokens)
         if "error" in out:

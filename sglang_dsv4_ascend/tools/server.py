@@ -155,6 +155,17 @@ class SGLangServer:
             self._reaper = threading.Thread(target=self._reap, daemon=True)
             self._reaper.start()
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group now, as a crash or an OOM kill ends a server: no
+        shutdown path runs (its peers see it vanish mid-whatever)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(timeout=10)
+
     def _reap(self) -> None:
         try:
             self.proc.wait(timeout=20)
