@@ -5,18 +5,23 @@ tools/pd.py as a user's command starts them.
 
 Greedy output through PD equals a unified server's (plain greedy decoding in process, which a
 unified server's equals), token for token, without speculation and with
-DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once, on chat prompts of
+DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once (NextN chain and
+DSpark static: four at once), on chat prompts of
 132-187 tokens (past the 16-token window, many C4 blocks, a C128 block closed and the next one
 open when the state moves) and again when the prefill side's radix cache holds the prompt. The
 drafts keep being accepted: the draft's state moves with the target's. What each piece of the
 state is, and that dropping one is caught, is tests/unit/test_pd_state.py. Faults: peers whose
-layouts differ are refused at bootstrap naming both layouts; a request whose decode side is gone
-times out on the prefill side naming the request, which frees its slots and keeps serving (SGLang
-stops the mismatched decode server's scheduler with the refusal, as for any model)."""
+layouts differ are refused at bootstrap naming both layouts; a decode side waiting for a prefill
+side that never got the request times out naming the request and the prefill peer; the decode
+server killed mid-transfer fails the request on the prefill side naming NIXL's disconnect; a
+request whose decode side is gone times out on the prefill side naming the request and that no
+decode peer claimed it. Each side frees its slots and keeps serving (SGLang stops the mismatched
+decode server's scheduler with the refusal, as for any model)."""
 
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,9 +40,12 @@ POOL = headline.POOL
 # DSpark's pair first: it stays up for the no-speculation pair's fault checks (a peer whose layout
 # differs), which run last
 METHODS = ("dspark_adaptive", "nextn_tree2", "nospec")
+# the other speculative methods on the decode side: four requests at once each
+MORE = ("nextn_chain", "dspark_static")
 # well below what the same prompts accept unified (test_trained_tiny.py FLOORS)
-FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0}
-BOOTSTRAP_TIMEOUT_S = 8  # the prefill side's wait for a decode peer (SGLang's default: 300 s)
+FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0, "nextn_chain": 1.0, "dspark_static": 0.8}
+TIMEOUT_S = 8  # either side's wait for its peer (SGLang's defaults: 300 s)
+CHUNKED = ("--chunked-prefill-size", "128")  # the prompts' state moves in two chunks
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +73,31 @@ def pairs():
         pd.stop()
 
 
-def _pd(pairs, method, env=None) -> PDServers:
+def _pd(pairs, method, *args, env=None) -> PDServers:
     path, method_env, flags = headline.METHODS[method]
-    pairs[method] = PDServers(path, *POOL, *flags, env={**method_env, **(env or {})})
+    pairs[method] = PDServers(path, *POOL, *flags, *args, env={**method_env, **(env or {})})
     return pairs[method].start()
+
+
+@pytest.mark.parametrize("method", MORE)
+def test_pd_decode_side_speculates_like_a_unified_server(prompts, reference, pairs, method):
+    """NextN chain and DSpark static verify on the decode side, from the transferred state."""
+    pd = _pd(pairs, method)
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda p: pd.generate(p, N_NEW, ignore_eos=True), prompts))
+    assert [o.get("output_ids") for o in outs] == reference, [o.get("error") for o in outs]
+    rates = [accepted_per_round(o["meta_info"]) for o in outs]
+    assert sum(rates) / len(rates) >= FLOORS[method], rates
+    pd.stop()
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
-    # the no-speculation pair ends with the fault checks: its prefill side gives up on a missing
+    # the no-speculation pair ends with the fault checks: its prefill side gives up sooner on a
     # decode peer sooner than SGLang's default
-    quick = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}
-    pd = _pd(pairs, method, env=quick if method == "nospec" else None)
+    # decode peer and its decode side for a prefill peer, and sends state chunk by chunk
+    quick = {f"SGLANG_DISAGGREGATION_{t}_TIMEOUT": str(TIMEOUT_S) for t in ("BOOTSTRAP", "WAITING")}
+    pd = _pd(pairs, method, *CHUNKED, env=quick) if method == "nospec" else _pd(pairs, method)
     single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
     assert single.get("output_ids") == reference[0], (single, pd.prefill.log_tail(40), pd.decode.log_tail(40))
     with ThreadPoolExecutor(len(prompts)) as ex:
@@ -101,16 +122,22 @@ def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
 
 def faults(pd: PDServers, other: SGLangServer, prompts) -> None:
     """Run on the no-speculation pair after its lossless checks (the module owns its pairs: these
-    checks stop decode servers; tests/e2e/pool.py). `other`: the DSpark pair's decode server."""
+    checks kill decode servers; tests/e2e/pool.py). `other`: the DSpark pair's decode server."""
+    host_port = rf"[\d.]+:{pd.bootstrap_port}"  # the prefill server's bootstrap server
     # A decode peer whose layout differs (DSpark's draft state and speculative rows on its side,
     # none on this prefill side) is refused at bootstrap, naming both layouts: SGLang stops that
     # decode server's scheduler with the message, as it does for any layout mismatch. The prefill
-    # side gives up on the request after its bootstrap timeout, naming it, and serves on.
+    # side gives up on the request after its bootstrap timeout, naming it and that no decode peer
+    # claimed it, and serves on.
     assert other.alive
     pd.prefill.mark()
     answer = _bootstrapped(pd, other, prompts[1])
     assert answer.get("status") == 500 and "timed out" in answer["error"], answer
-    assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
+    unclaimed = (
+        rf"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after .*; "
+        rf"no decode peer claimed the room at this prefill server's bootstrap server {host_port}"
+    )
+    assert re.search(unclaimed, pd.prefill.log_since()), pd.prefill.log_tail(20)
     pattern = r"prefill server has kv_layout=(.*), but decode server has kv_layout=(.*)\."
     refusal = re.search(pattern, other.log_text())
     assert refusal, other.log_tail(40)
@@ -118,24 +145,49 @@ def faults(pd: PDServers, other: SGLangServer, prompts) -> None:
     assert pd.prefill.alive and pd.prefill.used_tokens() == 0
     assert pd.generate(prompts[1], 8).get("output_ids"), "the pair serves on after the refused peer"
 
+    # The decode side waits for a prefill peer that never got the request (a router that lost it):
+    # it gives up after its waiting timeout naming the request and the prefill peer, and frees.
+    answer = _post(pd.decode, _room_body(pd, prompts[2]), TIMEOUT_S + 60)
+    assert answer.get("status") == 500, answer
+    named = rf"bootstrap_room=\d+ .*timed out after .*; prefill peer at bootstrap address {host_port}"
+    assert re.search(named, answer["error"]), answer
+    assert pd.decode.used_tokens() == 0
+
+    # The decode server killed (SIGKILL) mid-transfer: a 2048-token prompt's state moves in 16
+    # chunks and the decode side dies once the prefill side ran two. The prefill side's request
+    # fails with NIXL's disconnect named, its slots come back and it serves on.
+    body = _room_body(pd, (prompts[3] * 16)[:2048])
+    pd.prefill.mark()
+    with ThreadPoolExecutor(2) as ex:
+        prefilled = ex.submit(_post, pd.prefill, body, TIMEOUT_S + 60)
+        ex.submit(_post, pd.decode, body, 60)
+        deadline = time.monotonic() + 60
+        while len(re.findall("Prefill batch", pd.prefill.log_since())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pd.decode.kill()
+        chunks_run = len(re.findall("Prefill batch", pd.prefill.log_since()))
+        answer = prefilled.result()
+    assert 2 <= chunks_run < 16, f"the decode side was killed after {chunks_run} of 16 chunks"
+    assert answer.get("status") == 500 and "NIXL_ERR_REMOTE_DISCONNECT" in answer["error"], answer
+    assert _eventually(lambda: pd.prefill.used_tokens() == 0), pd.prefill.used_tokens()
+
     # The decode side gone: a request through the router fails; one the prefill side holds for
     # it (sent as the router sends it) times out there naming the request, and the prefill side
     # frees its slots and serves on (its health check passes).
-    pd.decode.stop()
     assert "error" in pd.generate(prompts[2], N_NEW)
     pd.prefill.mark()
     answer = _bootstrapped(pd, pd.decode, prompts[2])
     assert answer.get("status") == 500 and "timed out" in answer["error"], answer
-    assert re.search(r"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after", pd.prefill.log_since())
+    assert re.search(unclaimed, pd.prefill.log_since()), pd.prefill.log_tail(20)
     assert pd.prefill.used_tokens() == 0
     assert pd.prefill.alive and pd.prefill.get("/health")[0] == 200
     assert "Scheduler hit an exception" not in pd.prefill.log_text()
 
 
-def _bootstrapped(pd: PDServers, decode: SGLangServer, input_ids) -> dict:
-    """One request sent to the pair's prefill server and to `decode` with one bootstrap room, as
-    SGLang's router sends it: the prefill side's answer (the decode side's is not waited for)."""
-    body = {
+def _room_body(pd: PDServers, input_ids) -> dict:
+    """A request as SGLang's router sends it to both sides: the prefill side's bootstrap server
+    and one room."""
+    return {
         "input_ids": input_ids,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
         "bootstrap_host": "127.0.0.1",
@@ -143,11 +195,26 @@ def _bootstrapped(pd: PDServers, decode: SGLangServer, input_ids) -> dict:
         "bootstrap_room": int.from_bytes(os.urandom(7), "big"),
     }
 
-    def post(srv, timeout):
-        try:
-            return post_json(srv.url + "/generate", body, timeout)
-        except OSError as e:  # the decode server may be gone
-            return {"status": None, "error": repr(e)}
 
-    threading.Thread(target=post, args=(decode, 30), daemon=True).start()
-    return post(pd.prefill, BOOTSTRAP_TIMEOUT_S + 60)
+def _post(srv: SGLangServer, body: dict, timeout: float) -> dict:
+    try:
+        return post_json(srv.url + "/generate", body, timeout)
+    except OSError as e:  # the server may be gone
+        return {"status": None, "error": repr(e)}
+
+
+def _bootstrapped(pd: PDServers, decode: SGLangServer, input_ids) -> dict:
+    """One request sent to the pair's prefill server and to `decode`: the prefill side's answer
+    (the decode side's is not waited for)."""
+    body = _room_body(pd, input_ids)
+    threading.Thread(target=_post, args=(decode, body, 30), daemon=True).start()
+    return _post(pd.prefill, body, TIMEOUT_S + 60)
+
+
+def _eventually(check, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
