@@ -231,6 +231,38 @@ def test_nixl_agent_on_host_memory_says_dram_where_sglang_says_vram():
     assert agent.name == "a"
 
 
+def test_nixl_agent_counts_each_finished_transfers_bytes_once():
+    """SGLang posts a transfer and polls it until DONE, and may poll a finished one again: each
+    transfer's bytes (NIXL's telemetry) count once, when it is first seen DONE, whether `transfer`
+    or `check_xfer_state` says so; an unfinished or failed one counts nothing."""
+    from types import SimpleNamespace as NS
+
+    from sglang_dsv4_ascend.integration.hooks.pd_nixl_host_memory import HostMemoryAgent
+
+    class Handle:
+        def __init__(self, nbytes, states):
+            self.nbytes, self.states = nbytes, list(states)
+
+    class Agent:  # each call moves a handle to its next state; the last one stays
+        def transfer(self, h, notif=b""):
+            return self.check_xfer_state(h)
+
+        def check_xfer_state(self, h):
+            return h.states.pop(0) if len(h.states) > 1 else h.states[0]
+
+        def get_xfer_telemetry(self, h):
+            return NS(totalBytes=h.nbytes)
+
+    agent = HostMemoryAgent(Agent())
+    slow, quick, failed = Handle(100, ["PROC", "PROC", "DONE"]), Handle(7, ["DONE"]), Handle(5, ["PROC", "ERR"])
+    for h in (slow, quick, failed):
+        agent.transfer(h)
+    for _ in range(4):
+        for h in (slow, quick, failed):
+            agent.check_xfer_state(h)
+    assert (agent.moved_transfers, agent.moved_bytes) == (2, 107)
+
+
 def test_a_timeout_names_the_peer_each_side_waited_for():
     """Hook pd_timeout_peer on SGLang's KV managers' tables (the e2e faults run it served): the
     prefill side names the decode peer that claimed the room, or that none did at its bootstrap

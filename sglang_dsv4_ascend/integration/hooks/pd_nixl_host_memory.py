@@ -11,8 +11,11 @@ On our CPU platform, before the connector registers anything, its agent is rebui
 name and backend options without NIXL's progress thread, progressed instead by a thread that polls
 it once a millisecond (some progress is needed: SGLang's decode side never calls its agent after
 registering, and UCX over TCP needs the target to progress; without any, transfers stalled here),
-and wrapped so that every "VRAM" it passes NIXL is "DRAM". Registration, descriptors and transfers still go through
-NIXL and UCX. On a device platform the agent is left alone.
+and wrapped so that every "VRAM" it passes NIXL is "DRAM". Registration, descriptors and transfers
+still go through NIXL and UCX. The rebuilt agent captures NIXL's transfer telemetry: the bytes each
+finished transfer moved are summed and logged (`dsv4_ascend NIXL moved: ...`, at most once a
+second, when they changed), so `bench pd` counts the bytes NIXL moved, not only the ones described.
+On a device platform the agent is left alone.
 """
 
 from __future__ import annotations
@@ -27,10 +30,36 @@ DEVICE_KIND, HOST_KIND = "VRAM", "DRAM"
 
 
 class HostMemoryAgent:
-    """A `nixl_agent` whose memory-kind arguments say DRAM where SGLang says VRAM."""
+    """A `nixl_agent` whose memory-kind arguments say DRAM where SGLang says VRAM, and which sums the
+    bytes of the transfers it saw finish (NIXL's telemetry; SGLang polls every transfer it posts
+    with `check_xfer_state` until DONE)."""
 
     def __init__(self, agent):
         self._agent = agent
+        self._posted = {}  # id -> handle, posted and not yet seen finished (the ref keeps the id unique)
+        self.moved_bytes = 0
+        self.moved_transfers = 0
+
+    def transfer(self, handle, *args, **kwargs):
+        state = self._agent.transfer(handle, *args, **kwargs)
+        if len(self._posted) >= MAX_POSTED:  # a transfer nobody polls to the end (a failed room's)
+            self._posted.pop(next(iter(self._posted)))
+        self._posted[id(handle)] = handle
+        return self._settled(handle, state)
+
+    def check_xfer_state(self, handle):
+        return self._settled(handle, self._agent.check_xfer_state(handle))
+
+    def _settled(self, handle, state):
+        """Count a posted transfer's bytes the first time it is seen DONE (SGLang polls a finished
+        one again); forget one that failed."""
+        if state in ("DONE", "ERR") and self._posted.pop(id(handle), None) is not None and state == "DONE":
+            try:
+                self.moved_bytes += self._agent.get_xfer_telemetry(handle).totalBytes
+                self.moved_transfers += 1
+            except Exception:  # telemetry off (an agent we did not build): count nothing
+                pass
+        return state
 
     def __getattr__(self, name):
         attr = getattr(self._agent, name)
@@ -48,30 +77,43 @@ def _host(arg):
 
 
 PROGRESS_PERIOD_S = 0.001  # UCX progress on an idle agent: ~1k cheap calls a second instead of a spin
+MOVED_LOG_PERIOD_S = 1.0
+MAX_POSTED = 4096
 
 
 def paced_agent(name: str, backends: dict):
-    """A NIXL agent `name` with these backends (name -> options), progressed by a daemon thread
-    that polls it once a millisecond instead of NIXL's progress thread."""
+    """A NIXL agent `name` with these backends (name -> options) on host memory
+    (`HostMemoryAgent`), progressed by a daemon thread that polls it once a millisecond instead of
+    NIXL's progress thread."""
     import threading
     import time
 
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     config = nixl_agent_config(
-        enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        enable_prog_thread=False,
+        backends=[],
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        capture_telemetry=True,
     )
     agent = nixl_agent(name, config)
     for backend, options in backends.items():
         agent.create_backend(backend, options)
 
+    wrapped = HostMemoryAgent(agent)
+
     def progress():
+        logged, last = (0, 0), time.monotonic()
         while True:
             agent.get_new_notifs()  # progresses the agent's UCX workers (thread-safe: STRICT sync)
             time.sleep(PROGRESS_PERIOD_S)
+            moved = (wrapped.moved_transfers, wrapped.moved_bytes)
+            if moved != logged and time.monotonic() - last >= MOVED_LOG_PERIOD_S:
+                logger.info("dsv4_ascend NIXL moved: %d transfers, %d bytes", *moved)
+                logged, last = moved, time.monotonic()
 
     threading.Thread(target=progress, name="dsv4-nixl-progress", daemon=True).start()
-    return agent
+    return wrapped
 
 
 def host_memory_agent(self):
@@ -82,7 +124,7 @@ def host_memory_agent(self):
     name = self.agent.name
     backends = {b: dict(self.agent.backend_options[b]) for b in self.agent.backends}
     self.agent = None  # the old agent and its progress thread go before the new one starts
-    self.agent = HostMemoryAgent(paced_agent(name, backends))
+    self.agent = paced_agent(name, backends)
     logger.info("dsv4_ascend: NIXL agent on host memory (DRAM), progressed every %g ms", PROGRESS_PERIOD_S * 1e3)
 
 
