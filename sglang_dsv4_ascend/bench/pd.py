@@ -6,11 +6,12 @@ same checkpoint, flags and load, one after the other in one run.
 
 `--method` is one of the headline table's (bench/headline.py METHODS: checkpoint, environment,
 flags). Each side gets `bench serve`'s load (streamed chat requests, client-side TTFT / TPOT /
-tok/s). The state each request moves is the layout both PD sides log (`dsv4_ascend PD layout`):
-the pages its prompt occupies times the bytes a page of entries holds, plus one request slot's
-rings (and the draft's); those are bytes described to NIXL for the transfer, computed, not counted
-on the wire. On one CPU machine the point is correctness and the byte count, not speed: both
-servers share two cores.
+tok/s). The state each request moves, two ways: described, from the layout both PD sides log
+(`dsv4_ascend PD layout`): the pages its prompt occupies times the bytes a page of entries holds,
+plus one request slot's rings (and the draft's); and moved, the bytes NIXL's telemetry reports for
+the prefill side's finished transfers over the load (`dsv4_ascend NIXL moved`, on the CPU
+platform), per request. On one CPU machine the point is correctness and the byte count, not speed:
+both servers share two cores.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import argparse
 import json
 import re
 import sys
+import time
 
+from ..integration.hooks.pd_nixl_host_memory import MOVED_LOG_PERIOD_S
 from ..tools.pd import PDServers
 from ..tools.server import SGLangServer
 from . import headline, serve
@@ -36,6 +39,13 @@ def layout_bytes(log: str) -> dict:
         raise RuntimeError("bench pd: the prefill server logged no 'dsv4_ascend PD layout' line")
     page, _, per_page, _, per_slot, _, draft = map(int, m.groups())
     return {"page": page, "bytes_per_page": per_page, "bytes_per_slot": per_slot, "draft_bytes_per_slot": draft}
+
+
+def moved(log: str) -> tuple:
+    """(transfers, bytes) NIXL finished so far, from the prefill side's last `dsv4_ascend NIXL
+    moved` line ((0, 0) before any)."""
+    lines = re.findall(r"dsv4_ascend NIXL moved: (\d+) transfers, (\d+) bytes", log)
+    return tuple(map(int, lines[-1])) if lines else (0, 0)
 
 
 def prompt_tokens(model_path: str, prompts: list) -> list:
@@ -89,10 +99,17 @@ def main(argv=None) -> int:
         out["unified"] = _levels(srv.url, args, prompts)
     print("[bench pd] prefill + decode servers behind SGLang's router", file=sys.stderr)
     with PDServers(path, *headline.POOL, *flags, env=env) as pd:
+        before = moved(pd.prefill.log_text())
         out["pd"] = _levels(pd.url, args, prompts)
+        time.sleep(MOVED_LOG_PERIOD_S + 0.5)  # the last count is logged within a period
+        after = moved(pd.prefill.log_text())
         layout = layout_bytes(pd.prefill.log_text())
     sent = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
-    out["state_per_request"] = state_per_request(path, sent, layout)
+    out["state_per_request"] = state = state_per_request(path, sent, layout)
+    n = args.num_prompts * len(args.concurrency)  # each level sends the same prompts
+    state["bytes_moved_mean"] = round((after[1] - before[1]) / n)
+    state["transfers_per_request"] = round((after[0] - before[0]) / n, 2)
+    state["moved_over_described"] = round(state["bytes_moved_mean"] / state["bytes_described_mean"], 4)
     out["ratios_pd_over_unified"] = [
         {
             "concurrency": u["concurrency"],
