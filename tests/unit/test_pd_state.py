@@ -211,6 +211,21 @@ def test_bench_reads_the_state_bytes_from_the_layout_line(dsv4_model):
     }
 
 
+def test_bench_reads_the_last_moved_count_the_agent_logs(caplog):
+    """`bench pd`'s moved bytes are the last count the prefill side's agent logged, in the form
+    the agent's progress thread logs it; before any, nothing moved."""
+    import logging
+
+    from sglang_dsv4_ascend.bench.pd import moved
+    from sglang_dsv4_ascend.integration.hooks import pd_nixl_host_memory as hook
+
+    assert moved("[t] dsv4_ascend PD layout: ...\n") == (0, 0)
+    with caplog.at_level(logging.INFO, logger="sglang_dsv4_ascend"):
+        for count in ((3, 691008), (7, 1382016)):
+            hook.logger.info(hook.MOVED_LOG, *count)
+    assert moved(caplog.text) == (7, 1382016)
+
+
 def test_nixl_agent_on_host_memory_says_dram_where_sglang_says_vram():
     from sglang_dsv4_ascend.integration.hooks.pd_nixl_host_memory import HostMemoryAgent
 

@@ -78,6 +78,7 @@ def _host(arg):
 
 PROGRESS_PERIOD_S = 0.001  # UCX progress on an idle agent: ~1k cheap calls a second instead of a spin
 MOVED_LOG_PERIOD_S = 1.0
+MOVED_LOG = "dsv4_ascend NIXL moved: %d transfers, %d bytes"  # bench pd reads it
 MAX_POSTED = 4096
 
 
@@ -109,7 +110,7 @@ def paced_agent(name: str, backends: dict):
             time.sleep(PROGRESS_PERIOD_S)
             moved = (wrapped.moved_transfers, wrapped.moved_bytes)
             if moved != logged and time.monotonic() - last >= MOVED_LOG_PERIOD_S:
-                logger.info("dsv4_ascend NIXL moved: %d transfers, %d bytes", *moved)
+                logger.info(MOVED_LOG, *moved)
                 logged, last = moved, time.monotonic()
 
     threading.Thread(target=progress, name="dsv4-nixl-progress", daemon=True).start()
