@@ -100,7 +100,7 @@ CONFIGS = {
 for _c in CONFIGS.values():
     _c["num_nextn_predict_layers"] = len(_c["compress_ratios"]) - _c["num_hidden_layers"]
 
-CONTEXTS = (8192, 131072, 1048576)
+CONTEXTS = (8192, 32768, 131072, 1048576)
 MLA_LATENT = 512 + 64
 
 
