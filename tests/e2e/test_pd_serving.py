@@ -129,9 +129,15 @@ def faults(pd: PDServers, other: SGLangServer, prompts) -> None:
     # decode server's scheduler with the message, as it does for any layout mismatch. The prefill
     # side gives up on the request after its bootstrap timeout, naming it and that no decode peer
     # claimed it, and serves on.
+    # At the same time (independent, and each waits out a timeout), this pair's decode side waits
+    # for a prefill peer that never got its request (a router that lost it): it gives up after its
+    # waiting timeout naming the request and the prefill peer, and frees.
     assert other.alive
     pd.prefill.mark()
-    answer = _bootstrapped(pd, other, prompts[1])
+    with ThreadPoolExecutor(2) as ex:
+        refused = ex.submit(_bootstrapped, pd, other, prompts[1])
+        lost = ex.submit(_post, pd.decode, _room_body(pd, prompts[2]), TIMEOUT_S + 60)
+        answer, lost = refused.result(), lost.result()
     assert answer.get("status") == 500 and "timed out" in answer["error"], answer
     unclaimed = (
         rf"rid='[0-9a-f]+' req.bootstrap_room=\d+ .*timed out after .*; "
@@ -143,15 +149,11 @@ def faults(pd: PDServers, other: SGLangServer, prompts) -> None:
     assert refusal, other.log_tail(40)
     assert "draft rows 0 tensors" in refusal[1] and "draft rows 3 tensors" in refusal[2], refusal[0]
     assert pd.prefill.alive and pd.prefill.used_tokens() == 0
-    assert pd.generate(prompts[1], 8).get("output_ids"), "the pair serves on after the refused peer"
-
-    # The decode side waits for a prefill peer that never got the request (a router that lost it):
-    # it gives up after its waiting timeout naming the request and the prefill peer, and frees.
-    answer = _post(pd.decode, _room_body(pd, prompts[2]), TIMEOUT_S + 60)
-    assert answer.get("status") == 500, answer
+    assert lost.get("status") == 500, lost
     named = rf"bootstrap_room=\d+ .*timed out after .*; prefill peer at bootstrap address {host_port}"
-    assert re.search(named, answer["error"]), answer
+    assert re.search(named, lost["error"]), lost
     assert pd.decode.used_tokens() == 0
+    assert pd.generate(prompts[1], 8).get("output_ids"), "the pair serves on after both"
 
     # The decode server killed (SIGKILL) mid-transfer: a 2048-token prompt's state moves in 16
     # chunks and the decode side dies once the prefill side ran two. The prefill side's request
