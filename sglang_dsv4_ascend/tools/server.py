@@ -143,11 +143,7 @@ class SGLangServer:
         """SIGTERM the whole process group, SIGKILL it after 20 s. wait=False returns at once and
         leaves the wait to a thread (join() waits for it): a test suite need not spend SGLang's
         seconds of shutdown per server before it starts the next one."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if not self._signal_group(signal.SIGTERM):
             return
         if wait:
             self._reap()
@@ -158,22 +154,24 @@ class SGLangServer:
     def kill(self) -> None:
         """SIGKILL the whole process group now, as a crash or an OOM kill ends a server: no
         shutdown path runs (its peers see it vanish mid-whatever)."""
+        if self._signal_group(signal.SIGKILL):
+            self.proc.wait(timeout=10)
+
+    def _signal_group(self, sig) -> bool:
+        """Send `sig` to the server's process group; False when there is none left to signal."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return False
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
-            return
-        self.proc.wait(timeout=10)
+            return False
+        return True
 
     def _reap(self) -> None:
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal_group(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
     def join(self) -> None:
