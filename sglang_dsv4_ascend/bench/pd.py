@@ -22,7 +22,7 @@ import re
 import sys
 import time
 
-from ..integration.hooks.pd_nixl_host_memory import MOVED_LOG_PERIOD_S
+from ..integration.hooks.pd_nixl_host_memory import MOVED_LOG_PERIOD_S, moved
 from ..tools.pd import PDServers
 from ..tools.server import SGLangServer
 from . import headline, serve
@@ -39,13 +39,6 @@ def layout_bytes(log: str) -> dict:
         raise RuntimeError("bench pd: the prefill server logged no 'dsv4_ascend PD layout' line")
     page, _, per_page, _, per_slot, _, draft = map(int, m.groups())
     return {"page": page, "bytes_per_page": per_page, "bytes_per_slot": per_slot, "draft_bytes_per_slot": draft}
-
-
-def moved(log: str) -> tuple:
-    """(transfers, bytes) NIXL finished so far, from the prefill side's last `dsv4_ascend NIXL
-    moved` line ((0, 0) before any)."""
-    lines = re.findall(r"dsv4_ascend NIXL moved: (\d+) transfers, (\d+) bytes", log)
-    return tuple(map(int, lines[-1])) if lines else (0, 0)
 
 
 def prompt_tokens(model_path: str, prompts: list) -> list:

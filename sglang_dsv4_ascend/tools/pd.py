@@ -169,10 +169,12 @@ def main(argv=None) -> int:
         print(f"[pd] {meta['completion_tokens']} tokens in {meta['e2e_latency']:.2f} s" + (f"; {spec}" if spec else ""))
         transferred = [ln for ln in pd.prefill.log_text().splitlines() if "NIXL" in ln and "agent" in ln]
         print("[pd] transfer engine: " + (transferred[-1].split("] ", 1)[-1] if transferred else "NIXL"))
-        time.sleep(1.5)  # the agent logs its count at most once a second (CPU platform only)
-        counted = [ln for ln in pd.prefill.log_text().splitlines() if "dsv4_ascend NIXL moved:" in ln]
-        if counted:
-            print("[pd] state moved for this request: " + counted[-1].split("NIXL moved: ", 1)[-1])
+        from ..integration.hooks.pd_nixl_host_memory import MOVED_LOG_PERIOD_S, moved
+
+        time.sleep(MOVED_LOG_PERIOD_S + 0.5)  # the agent's count is logged within a period
+        transfers, nbytes = moved(pd.prefill.log_text())
+        if transfers:  # (counted on the CPU platform only)
+            print(f"[pd] state moved for this request: {transfers} transfers, {nbytes} bytes")
     return 0
 
 

@@ -216,7 +216,7 @@ def test_bench_reads_the_last_moved_count_the_agent_logs(caplog):
     the agent's progress thread logs it; before any, nothing moved."""
     import logging
 
-    from sglang_dsv4_ascend.bench.pd import moved
+    from sglang_dsv4_ascend.bench.pd import moved  # (the hook's parser, as bench pd calls it)
     from sglang_dsv4_ascend.integration.hooks import pd_nixl_host_memory as hook
 
     assert moved("[t] dsv4_ascend PD layout: ...\n") == (0, 0)

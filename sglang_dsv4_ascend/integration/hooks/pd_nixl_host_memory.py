@@ -21,6 +21,7 @@ On a device platform the agent is left alone.
 from __future__ import annotations
 
 import logging
+import re
 
 from ..compat import Hook
 
@@ -53,7 +54,9 @@ class HostMemoryAgent:
     def _settled(self, handle, state):
         """Count a posted transfer's bytes the first time it is seen DONE (SGLang polls a finished
         one again); forget one that failed."""
-        if state in ("DONE", "ERR") and self._posted.pop(id(handle), None) is not None and state == "DONE":
+        if state not in ("DONE", "ERR") or self._posted.pop(id(handle), None) is None:
+            return state  # still running, or already settled
+        if state == "DONE":
             try:
                 self.moved_bytes += self._agent.get_xfer_telemetry(handle).totalBytes
                 self.moved_transfers += 1
@@ -78,8 +81,15 @@ def _host(arg):
 
 PROGRESS_PERIOD_S = 0.001  # UCX progress on an idle agent: ~1k cheap calls a second instead of a spin
 MOVED_LOG_PERIOD_S = 1.0
-MOVED_LOG = "dsv4_ascend NIXL moved: %d transfers, %d bytes"  # bench pd reads it
+MOVED_LOG = "dsv4_ascend NIXL moved: %d transfers, %d bytes"  # read back by `moved`
 MAX_POSTED = 4096
+
+
+def moved(log: str) -> tuple:
+    """(transfers, bytes) NIXL finished so far, from a server log's last MOVED_LOG line ((0, 0)
+    before any). The count is logged within MOVED_LOG_PERIOD_S of its last change."""
+    lines = re.findall(r"dsv4_ascend NIXL moved: (\d+) transfers, (\d+) bytes", log)
+    return tuple(map(int, lines[-1])) if lines else (0, 0)
 
 
 def paced_agent(name: str, backends: dict):
