@@ -93,9 +93,9 @@ def test_pd_decode_side_speculates_like_a_unified_server(prompts, reference, pai
 
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
-    # the no-speculation pair ends with the fault checks: its prefill side gives up sooner on a
-    # decode peer sooner than SGLang's default
-    # decode peer and its decode side for a prefill peer, and sends state chunk by chunk
+    # the no-speculation pair ends with the fault checks: its prefill side gives up on a decode
+    # peer, and its decode side on a prefill peer, sooner than SGLang's defaults; it sends state
+    # chunk by chunk
     quick = {f"SGLANG_DISAGGREGATION_{t}_TIMEOUT": str(TIMEOUT_S) for t in ("BOOTSTRAP", "WAITING")}
     pd = _pd(pairs, method, *CHUNKED, env=quick) if method == "nospec" else _pd(pairs, method)
     single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
