@@ -1,5 +1,6 @@
 """Server-side speculative counters: per-stage wall time (engine.STAGES), rounds, drafted,
-verified and committed tokens, accepted drafts by position, rounds that skipped drafting, the
+verified and committed tokens, accepted drafts by position (draft k was tested in a request-round
+when drafts 1..k-1 were accepted and the node accepted last had a child), rounds that skipped drafting, the
 planner's confidence calibration (logit offset per draft position), NextN's rounds by shape
 (shapes.py), and per batch size the
 planner's predicted round time next to the measured one (so a user sees why it chose what it
@@ -45,11 +46,13 @@ class StageStats:
             self.drafted += drafted
             self.verified += tree.n - 1
             self.committed += len(path)
-            depth = max(tree.depth()) if tree.n > 1 else 0
-            if len(self.verified_at) < depth:  # an accepted path is never deeper than its tree
-                self.verified_at += [0] * (depth - len(self.verified_at))
-                self.accepted_at += [0] * (depth - len(self.accepted_at))
-            for k in range(min(depth, len(path))):
+            # draft k was tested when drafts 1..k-1 were accepted and the node accepted last had a
+            # child: in a tree that node may be a leaf while another branch reaches deeper
+            tested = len(path) - (not tree.children(path[-1]))
+            if len(self.verified_at) < tested:
+                self.verified_at += [0] * (tested - len(self.verified_at))
+                self.accepted_at += [0] * (tested - len(self.accepted_at))
+            for k in range(tested):
                 self.verified_at[k] += 1
             for k in range(len(path) - 1):
                 self.accepted_at[k] += 1
