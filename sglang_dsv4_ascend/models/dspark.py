@@ -260,6 +260,29 @@ class DSparkDraft(nn.Module):
         h = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, self.cfg)
         return head(last.norm(h)), h
 
+    def markov_chain(self, U, h, anchors, temps, generator):
+        """The drafts, left to right from x_0 = a: z_k = U_k + W2 W1[x_{k-1}], x_k = argmax z_k for
+        a greedy row (temps[i] None), x_k ~ q_k = softmax(z_k / temps[i]) drawn with `generator`
+        (CPU) otherwise; c_k from (h_k, x_{k-1}). U, h: [n, gamma, .] from the block. Returns
+        (x [n, gamma], per row its q's [gamma, V] or None when greedy, c [n, gamma])."""
+        n, gamma = U.shape[:2]
+        sampled = [i for i, t in enumerate(temps) if t is not None]
+        T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)
+        prev, xs, cs, qs = anchors, [], [], [[] for _ in range(n)]
+        markov = self.mtp[-1].markov_head
+        for k in range(1, gamma + 1):
+            z = U[:, k - 1] + markov.bias(prev)
+            cs.append(self.confidence(h[:, k - 1], prev, k))
+            x = z.argmax(dim=-1)
+            if sampled:
+                q = torch.softmax(z[sampled].to("cpu") / T, dim=-1)
+                x[sampled] = torch.multinomial(q, 1, generator=generator).view(-1).to(x)
+                for j, i in enumerate(sampled):
+                    qs[i].append(q[j])
+            xs.append(x)
+            prev = x
+        return torch.stack(xs, dim=1), [torch.stack(q) if q else None for q in qs], torch.stack(cs, dim=1)
+
     def confidence(self, h_k: torch.Tensor, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
         """c_k [n] for block position k (1-based) from h_k [n, d] and x_{k-1} [n]."""
         last = self.mtp[-1]

@@ -247,26 +247,9 @@ class DSparkDrafter:
         blocks = None if graphs is None else graphs.run(slots, starts, anchors)
         U, h = blocks or d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
         temps = [sampled_temperature(sp, b) for b, sp in enumerate(sampling or [None] * len(slots))]
-        sampled = [i for i, t in enumerate(temps) if t is not None]
-        T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)
-        prev, tokens, confs = anchors, [], []
-        qs = [[] for _ in slots]
-        markov = d.mtp[-1].markov_head
-        for k in range(1, gamma + 1):
-            z = U[:, k - 1] + markov.bias(prev)
-            confs.append(d.confidence(h[:, k - 1], prev, k))
-            x = z.argmax(dim=-1)
-            if sampled:
-                q = torch.softmax(z[sampled].to("cpu") / T, dim=-1)
-                x[sampled] = torch.multinomial(q, 1, generator=w.generator).view(-1).to(x)
-                for j, i in enumerate(sampled):
-                    qs[i].append(q[j])
-            tokens.append(x)
-            prev = x
-        chains = torch.stack(tokens, dim=1).tolist()
-        trees = [DraftTree([b] + c, list(range(-1, gamma))) for b, c in zip(bonus, chains)]
-        probs = [torch.stack(q) if q else None for q in qs]
-        return Drafts(trees, probs if sampled else None, torch.stack(confs, dim=1))
+        x, probs, conf = d.markov_chain(U, h, anchors, temps, w.generator)
+        trees = [DraftTree([b] + c, list(range(-1, gamma))) for b, c in zip(bonus, x.tolist())]
+        return Drafts(trees, probs if any(t is not None for t in temps) else None, conf)
 
 
 class ReplayDrafter:

@@ -202,15 +202,7 @@ class SpecEngine:
         if self.planner is not None:
             self.planner.learn([a - 1 for a in out.accept_lens])
         if self.sync is not None and self.sync.checking:  # the debug switch: no work per round without it
-            self.sync.check(
-                {
-                    "drafted": [[int(x) for x in t.tokens] for t in drafts.trees],
-                    "budget": plan.get("budget"),
-                    "accept_lens": out.accept_lens,
-                    "paths": [list(p) for p in out.paths],
-                    "bonus": [int(t) for t in out.bonus],
-                }
-            )
+            self.sync.check(round_decisions(drafts, plan, out))
         with stage("extend"):
             ends, acc = [], 0
             for b, s in enumerate(ext_segs):
@@ -226,6 +218,18 @@ class SpecEngine:
             draft_s = None if skip else stage.t["draft"]
             self.planner.observe(len(slots), plan.get("rows", 0), sum(stage.t.values()), draft_s)
         return out
+
+
+def round_decisions(drafts: Drafts, plan: dict, out: RoundResult) -> dict:
+    """What must agree across ranks after a round, for every request of it: the drafted trees,
+    the verify budget, the accepted paths and the bonus tokens."""
+    return {
+        "drafted": [[int(x) for x in t.tokens] for t in drafts.trees],
+        "budget": plan.get("budget"),
+        "accept_lens": list(out.accept_lens),
+        "paths": [list(p) for p in out.paths],
+        "bonus": [int(t) for t in out.bonus],
+    }
 
 
 def NextNEngine(

@@ -3,6 +3,7 @@ argument against a broken budget, and the draft block against dense per-request 
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -370,3 +371,153 @@ def test_inject_of_a_chunk_longer_than_the_ring_keeps_its_last_positions(tiny):
         for p in range(n - ctx.ring, n):
             torch.testing.assert_close(ctx.rings[s, 1, p % ctx.ring], kv[p].to(ctx.rings.dtype))
         assert ctx.rings[s, 0].abs().sum() == 0  # another slot is untouched
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_rank_check_covers_every_request_of_a_round(tiny, monkeypatch, broken):
+    """SGLANG_DSV4_SPEC_SYNC_CHECK's per-round record (engine.round_decisions) covers every request:
+    two requests, a fake second rank whose decisions differ from ours in the second request only
+    (its bonus token, or its accepted path); the round must stop with DesyncError naming what
+    differs. The broken record (the first request's decisions only, as a review found it once
+    could be without any test noticing) lets the desync through: caught."""
+    from sglang_dsv4_ascend.batch import Segment
+    from sglang_dsv4_ascend.distributed import spec_sync
+    from sglang_dsv4_ascend.speculative import engine as E
+
+    if broken:
+        real = E.round_decisions
+
+        def first_only(drafts, plan, out):
+            return {k: v[:1] if isinstance(v, list) else v for k, v in real(drafts, plan, out).items()}
+
+        monkeypatch.setattr(E, "round_decisions", first_only)
+    seen = []
+
+    def other_rank(everyone, decisions, group=None):
+        seen.append(decisions)
+        theirs = {
+            k: [list(x) if isinstance(x, list) else x for x in v] if isinstance(v, list) else v
+            for k, v in decisions.items()
+        }
+        if len(theirs["bonus"]) > 1:
+            theirs["bonus"][1] += 1
+        everyone[:] = [decisions, theirs]
+
+    monkeypatch.setattr(spec_sync.torch.distributed, "all_gather_object", other_rank)
+    trunk, draft = tiny
+    eng = dspark_engine(trunk, draft, 2, 3, P.Planner(3, "static", None))
+    eng.sync = spec_sync.RankSync(rank=0, size=2, check=True)
+    prompts = [list(range(3, 30)), list(range(40, 61))]
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    aux = {"layer_ids": eng.drafter.layer_ids}
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    trunk(torch.tensor(sum(prompts, [])), pos, segs, eng.cache, aux=aux)
+    eng.extend(segs, None, aux, None, [])
+    try:
+        r = eng.round([0, 1], [len(p) for p in prompts], [5, 9], None, None, ["a", "b"])
+        caught = None
+    except spec_sync.DesyncError as e:
+        caught = str(e)
+    assert (caught is not None) != broken, caught  # the broken record lets request b's desync through
+    if broken:
+        assert len(seen[-1]["bonus"]) == 1 and len(r.bonus) == 2
+        return
+    assert re.search(r"'bonus' is \[\d+, \d+\] on rank 0 and \[\d+, \d+\] on rank 1", caught), caught
+    rec = seen[-1]
+    assert len(rec["drafted"]) == len(rec["paths"]) == len(rec["accept_lens"]) == len(rec["bonus"]) == 2
+    assert [t[0] for t in rec["drafted"]] == [5, 9] and all(len(t) == 4 for t in rec["drafted"])
+    assert all(p[0] == 0 and len(p) == a for p, a in zip(rec["paths"], rec["accept_lens"]))
+
+
+def _lagged_markov_chain(self, U, h, anchors, temps, generator):
+    """Broken: draft k's Markov bias and confidence read x_{k-2} instead of x_{k-1}."""
+    n, gamma = U.shape[:2]
+    sampled = [i for i, t in enumerate(temps) if t is not None]
+    T = torch.tensor([temps[i] for i in sampled], dtype=torch.float32).view(-1, 1)
+    before = prev = anchors
+    xs, cs, qs = [], [], [[] for _ in range(n)]
+    for k in range(1, gamma + 1):
+        z = U[:, k - 1] + self.mtp[-1].markov_head.bias(before)
+        cs.append(self.confidence(h[:, k - 1], before, k))
+        x = z.argmax(dim=-1)
+        if sampled:
+            q = torch.softmax(z[sampled] / T, dim=-1)
+            x[sampled] = torch.multinomial(q, 1, generator=generator).view(-1)
+            for j, i in enumerate(sampled):
+                qs[i].append(q[j])
+        xs.append(x)
+        before, prev = prev, x
+    return torch.stack(xs, dim=1), [torch.stack(q) if q else None for q in qs], torch.stack(cs, dim=1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@torch.no_grad()
+def test_every_draft_position_follows_the_markov_head(tiny, monkeypatch, broken):
+    """Every draft position k of the chain, not only the first, against the definition recomputed
+    here from the block's U, h and the head's weights: z_k = U_k + W2 W1[x_{k-1}] with x_{k-1} the
+    draft actually chosen before it. Greedy drafts are argmax z_k and c_k reads x_{k-1}; sampled
+    drafts report q_k = softmax(z_k / T) for their own x_{k-1}, and positions 2 and 3 are drawn from
+    it (randomized probability integral transform: uniform over 20 bins, chi-square, 1200 draws
+    each from 40 rows that report different q's). A loop conditioned on x_{k-2}: caught."""
+    from sglang_dsv4_ascend.batch import Segment
+    from sglang_dsv4_ascend.models.dspark import DSparkDraft
+    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
+
+    if broken:
+        monkeypatch.setattr(DSparkDraft, "markov_chain", _lagged_markov_chain)
+    trunk, draft = tiny
+    n, gamma, T = 40, 3, 3.0
+    cache = trunk.make_cache(n, 128, 8)
+    gen = torch.Generator().manual_seed(2)
+    eng = types.SimpleNamespace(
+        model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg),
+        cache=cache,
+        device=torch.device("cpu"),
+        gamma=gamma,
+        generator=gen,
+    )
+    dr = DSparkDrafter(eng)
+    prompt = list(range(3, 30))
+    L = len(prompt)
+    segs = [Segment(s, 0, L) for s in range(n)]
+    aux = {"layer_ids": dr.layer_ids}
+    trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
+    dr.extend(segs, None, aux, None, [])
+    slots, anchors = list(range(n)), [(7 * s) % 50 + 1 for s in range(n)]  # a different q per row
+    U, h = draft.block(dr.ctx, slots, [L] * n, torch.tensor(anchors), gamma, trunk.embed, trunk.compute_logits)
+    head = draft.mtp[-1].markov_head
+    W1, W2 = head.markov_w1.weight.float(), head.markov_w2.weight.float()
+
+    def z(i, k, prev):  # the definition, from the weights
+        return U[i, k - 1].float() + W2 @ W1[prev]
+
+    faults = []
+    g = dr.draft(slots, [L] * n, anchors, None, None)
+    for i, t in enumerate(g.trees):
+        x = list(t.tokens)  # [a, x_1, .., x_gamma]
+        for k in range(1, gamma + 1):
+            if x[k] != int(z(i, k, x[k - 1]).argmax()):
+                faults.append(("greedy", i, k))
+            c = torch.sigmoid(draft.mtp[-1].confidence_head(torch.cat([h[i, k - 1].float(), W1[x[k - 1]]])))
+            if not torch.allclose(g.confidence[i, k - 1], c.squeeze(), atol=1e-5):
+                faults.append(("confidence", i, k))
+    pit = {2: [], 3: []}
+    for _ in range(30):
+        d = dr.draft(slots, [L] * n, anchors, None, [dict(temperature=T)] * n)
+        for i, t in enumerate(d.trees):
+            x = list(t.tokens)
+            for k in range(1, gamma + 1):
+                q = torch.softmax(z(i, k, x[k - 1]) / T, dim=-1)
+                if not torch.allclose(d.draft_probs[i][k - 1].float(), q, atol=1e-5):
+                    faults.append(("q", i, k))
+                if k in pit:  # uniform on [F(x-), F(x)] under the q the draft was drawn from
+                    lo = float(q[: x[k]].sum())
+                    pit[k].append(lo + float(torch.rand((), generator=gen)) * float(q[x[k]]))
+    for k, u in pit.items():
+        counts = torch.bincount((torch.tensor(u) * 20).long().clamp(max=19), minlength=20).double()
+        chi2 = float(((counts - len(u) / 20) ** 2 / (len(u) / 20)).sum())
+        if chi2 > 19 + 6 * 38**0.5:
+            faults.append(("pit", k, round(chi2, 1)))
+    assert bool(faults) == broken, faults[:5]
+    if broken:
+        assert {f[0] for f in faults} >= {"greedy", "q"}
