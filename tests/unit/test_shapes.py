@@ -3,7 +3,7 @@ the tree where rows are free, the chain where they are dear, no draft where draf
 it gives, explores the shapes it does not take, learns acceptances and draft times from the rounds,
 and hands every rank the same tables; and rounds that change shape stay greedy-identical to plain
 decoding in process (real NextN drafts, and the replay drafter's full / partial / zero
-acceptance)."""
+acceptance), and sampled ones follow the target's distribution."""
 
 from __future__ import annotations
 
@@ -185,3 +185,69 @@ def test_changing_shapes_under_replayed_acceptance_is_greedy_identical(tiny, tmp
     assert got == want
     full = [acc[0] for shape, _, acc in taken if shape != "plain" and len(acc) == len(prompts)]
     assert full and max(full) == STEPS + 1  # the full-acceptance request took whole paths
+
+
+@pytest.fixture(scope="module")
+def shipped_nextn():
+    from sglang_dsv4_ascend import TINY_NEXTN_MODEL_PATH
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+
+    trunk = load_model_from_dir(TINY_NEXTN_MODEL_PATH)
+    return trunk, load_nextn_from_dir(TINY_NEXTN_MODEL_PATH, trunk.cfg)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_changing_shapes_sample_the_target_distribution(shipped_nextn, monkeypatch, broken):
+    """Sampled rounds cycling tree / chain / no draft emit their first token distributed as the
+    target's next-token distribution (chi-square over 20 bins of equal mass; 1200 draws: 12 rounds of
+    100 requests with the same prompt and bonus, each in its own slot, every round restarting from
+    that committed state, so a round gives 100 independent draws). The shipped trained model and
+    its NextN draft, so that drafts are accepted in a good share of the drafting rounds (random
+    weights accept almost none, and the test would prove nothing). The broken accept rule draws a
+    tree's bonus, after every child was rejected, from the target row instead of the residual
+    (the chain rule's remainder): caught."""
+    from sglang_dsv4_ascend.speculative import accept as A
+    from sglang_dsv4_ascend.speculative.accept import target_probs
+    from tests.unit.test_dspark import _binned_chi2
+
+    if broken:
+
+        def rowwise_bonus(tree, probs, generator, draft_probs=None):
+            path = [0]
+            while True:
+                kids = tree.children(path[-1])
+                c = next((c for c in kids if A._uniform(generator) < float(probs[path[-1], tree.tokens[c]])), None)
+                if c is None:
+                    return path, A._draw(A._row(probs, path[-1]), generator)
+                path.append(c)
+
+        monkeypatch.setattr(A, "sample_accept", rowwise_bonus)
+    trunk, nextn = shipped_nextn
+    n, rounds, T = 100, 12, 0.7
+    host = types.SimpleNamespace(model=trunk, nextn=nextn, cfg=trunk.cfg)
+    cache = trunk.make_cache(n, 64, DRAFT_TOKENS)
+    gen = torch.Generator().manual_seed(11)
+    eng = SpecEngine(host, cache, NextNDrafter, gen, topk=TOPK, num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS)
+    eng.shapes = Cycle()
+    prompt, anchor = [0, 1447, 2509, 409, 303, 397, 495, 353, 801], 335  # "The capital of France is"
+    L = len(prompt)
+    segs = [Segment(s, 0, L) for s in range(n)]
+    aux = {}
+    trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
+    shifted, finals = torch.tensor((prompt[1:] + [anchor]) * n), [(s, (s + 1) * L - 1) for s in range(n)]
+    h = trunk(torch.tensor([anchor]), torch.tensor([L]), [Segment(0, L, 1)], cache, pending=[])
+    p = target_probs(trunk.compute_logits(h), T, -1, 1.0, 0.0)[0]
+    firsts, accepted, drafting = [], 0, 0
+    for _ in range(rounds):
+        eng.extend(segs, shifted, aux, None, finals)  # the draft state back at the prompt's end
+        r = eng.round(list(range(n)), [L] * n, [anchor] * n, [dict(temperature=T)] * n, None, list(range(n)))
+        firsts += [e[0] for e in r.emitted]
+        if r.plan["shape"] != "plain":
+            drafting += n
+            accepted += sum(a > 1 for a in r.accept_lens)
+    assert {s for s, _, _ in eng.shapes.taken} == {"tree", "chain", "plain"}
+    assert accepted > 0.2 * drafting, (accepted, drafting)
+    chi2, dof = _binned_chi2(torch.tensor(firsts), p)
+    assert dof >= 10
+    assert (chi2 < dof + 6 * (2 * dof) ** 0.5) != broken, (chi2, dof)
