@@ -21,11 +21,35 @@ import torch
 @dataclass(frozen=True)
 class Segment:
     """One request's new tokens in a forward: cache `slot`, `start` = position of its first new token
-    (= tokens already in its cache, the committed length), `length` = number of new tokens."""
+    (= tokens already in its cache, the committed length), `length` = number of new tokens.
+
+    `parents` (a speculative verify's draft tree, node-once): the new tokens are the nodes of a
+    tree, parents before children (parents[0] = -1, the root at `start`); node i sits at position
+    start + depth(i) and sees the cache and its own ancestors only, never a sibling's branch. None:
+    a chain, token i at start + i (every other forward)."""
 
     slot: int
     start: int
     length: int
+    parents: tuple | None = None
+
+    def depths(self) -> list[int]:
+        """Each new token's offset from `start` (its depth in the tree)."""
+        if self.parents is None:
+            return list(range(self.length))
+        d = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return d
+
+    def ancestors(self, i: int) -> list[int]:
+        """Node i's root-to-node path (indices among the segment's tokens)."""
+        if self.parents is None:
+            return list(range(i + 1))
+        path = [i]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
 
 
 @dataclass

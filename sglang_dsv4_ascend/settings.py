@@ -193,6 +193,16 @@ NEXTN_SHAPE = _setting(
     "tree, a chain or no draft, whichever the round cost surface says emits most tokens per second)",
     choices=("static", "adaptive"),
 )
+TREE_VERIFY = _setting(
+    name="SGLANG_DSV4_TREE_VERIFY",
+    kind="choice",
+    default="nodes",
+    shape="nodes\\|paths",
+    meaning="how a NextN tree is verified: nodes (one segment per request, each node computed once against its "
+    "ancestors) or paths (one segment per root-to-leaf path, shared prefixes recomputed; the earlier form, kept "
+    "to compare)",
+    choices=("nodes", "paths"),
+)
 TEST_DRAFTER = _setting(
     name="SGLANG_DSV4_TEST_DRAFTER",
     kind="text",

@@ -6,8 +6,9 @@ decode speed per configuration, drafter and batch size, as ratios to no-spec mea
         [--drafters nextn,replay] [--threads N] [--server]
 
 Configurations (CONFIGS): chainK = topk 1, K steps, K + 1 draft tokens; tree2 = topk 2, 3 steps, 6
-draft tokens; tree4 = topk 4, 3 steps, 8 draft tokens. "nospec" is always run: it is the baseline of
-the ratios, of the lossless check and of the replay references. Drafters: "nextn" is the
+draft tokens; tree4 = topk 4, 3 steps, 8 draft tokens; tree2paths / tree4paths the same trees
+verified path by path (SGLANG_DSV4_TREE_VERIFY=paths) instead of node-once. "nospec" is always
+run: it is the baseline of the ratios, of the lossless check and of the replay references. Drafters: "nextn" is the
 checkpoint's NextN block (`--model trained`: the shipped trained tiny model's; `random`: random
 weights, acceptance near zero, recorded anyway); "replay" is the
 test drafter (speculative/drafters.py) in "full" mode, fed the no-spec greedy outputs, so it
@@ -26,8 +27,8 @@ one-token segments per step, and spec is NextNEngine rounds, a request leaving t
 has its tokens. tok/s = decode tokens (new_tokens - 1 per request: the first comes from the
 prefill) / decode wall time. Per round: draft / verify / accept / extend wall time (the engine's
 timings, ms per batch round); per request-round: accept length (bonus included), how deep the
-accepted path reached, verified tokens (tree nodes incl. root) and target rows (the engine verifies
-each root-to-leaf path as its own segment: sum over leaves of depth + 1). `lossless`: the greedy
+accepted path reached, verified tokens (tree nodes incl. root) and target rows (the engine's count: the tree's nodes
+node-once, the sum over leaves of depth + 1 path by path). `lossless`: the greedy
 spec output equals the no-spec one token for token for every request (the no-spec reference is
 decoded `max steps` tokens further, so a last round's overshoot is checked too). Reported, never
 asserted here (tests/unit/test_bench_spec.py asserts it).
@@ -69,15 +70,19 @@ CONFIGS = {
     "chain3": (1, 3, 4),
     "tree2": (2, 3, 6),
     "tree4": (4, 3, 8),
+    "tree2paths": (2, 3, 6),
+    "tree4paths": (4, 3, 8),
 }
+# verified path by path (SGLANG_DSV4_TREE_VERIFY=paths), beside the node-once default
+PATHS = ("tree2paths", "tree4paths")
 DRAFTERS = ("nextn", "replay")
 
 IN_PROCESS_METRICS = {
     "mean_accept_length": "tokens emitted per request-round (accepted drafts + bonus)",
     "accept_rate_by_depth": "[k-1]: fraction of request-rounds whose accepted path reached depth >= k",
     "verified_tokens_per_round": "draft-tree nodes incl. the root, per request-round",
-    "target_rows_per_round": "target rows the verify ran (one segment per root-to-leaf path: sum of depth + 1 "
-    "over leaves), per request-round",
+    "target_rows_per_round": "target rows the verify ran (the engine's count), per request-round: the tree's nodes "
+    "(node-once), or for the *paths configurations one segment per root-to-leaf path (sum of depth + 1 over leaves)",
     "<stage>_ms_per_round": "engine round timings (draft, plan, verify, accept, commit, extend), ms per batch round",
     "lossless": "greedy spec output == no-spec output for every request",
 }
@@ -107,7 +112,7 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
     for B in batches:
         ip.nospec(all_prompts[:B], 3, 3, max_len)
         for c in spec_cfgs:
-            ip.spec(all_prompts[:B], CONFIGS[c], drafter_factory("nextn", None), 3, max_len)
+            ip.spec(all_prompts[:B], CONFIGS[c], drafter_factory("nextn", None), 3, max_len, c not in PATHS)
     log(f"warm-up done ({', '.join(configs)} at batch {batches})")
     results = []
     for B in batches:
@@ -132,7 +137,7 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
         for c in spec_cfgs:
             topk, steps, ndraft = CONFIGS[c]
             for dr in drafters:
-                s = ip.spec(prompts, CONFIGS[c], drafter_factory(dr, replay), new_tokens, max_len)
+                s = ip.spec(prompts, CONFIGS[c], drafter_factory(dr, replay), new_tokens, max_len, c not in PATHS)
                 tps = base_tok / s["decode_s"]
                 lossless = all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))
                 n = s["rounds"]
@@ -285,6 +290,7 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
                 if dr == "replay"
                 else {settings.TEST_DRAFTER.name: ""}
             )
+            env[settings.TREE_VERIFY.name] = "paths" if c in PATHS else "nodes"
             srv, startup = serve(args, env)
             try:
                 for B in batches:

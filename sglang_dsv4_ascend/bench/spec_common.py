@@ -98,13 +98,14 @@ class InProcess:
         return {"outputs": outs, "decode_s": decode_s, "steps": new_tokens - 1}
 
     @torch.no_grad()
-    def spec(self, prompts, shape, drafter_factory, new_tokens: int, max_len: int) -> dict:
+    def spec(self, prompts, shape, drafter_factory, new_tokens: int, max_len: int, node_once: bool = True) -> dict:
         from ..speculative.engine import NextNEngine
 
         topk, steps, ndraft = shape
         B = len(prompts)
         cache = self.trunk.make_cache(B, max_len, ndraft)
         eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
+        eng.node_once = node_once  # trees: each node once, or each root-to-leaf path (engine.verify_segments)
         segs, last, first, aux = self._prefill(cache, prompts)
         shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
         eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last)))
@@ -128,14 +129,13 @@ class InProcess:
             rounds += 1
             for k in timings:
                 timings[k] += r.timings[k]
+            rows += [r.plan["verify_rows"] / len(active)] * len(active)  # what the engine ran
             for b, em, n, path, tree in zip(active, r.emitted, r.accept_lens, r.paths, r.trees):
                 outs[b] += em
                 lens[b] += n
                 accept.append(n)
                 depths.append(len(path) - 1)
                 verified.append(tree.n)
-                dep = tree.depth()
-                rows.append(sum(dep[leaf] + 1 for leaf in tree.leaves()))
             active = [b for b in active if len(outs[b]) < new_tokens]
         decode_s = time.perf_counter() - t0
         return {

@@ -247,7 +247,8 @@ class DSV4Cache:
         """Store deferred writes; `accepted[slot] = n` keeps only that segment's first n positions.
         `keep[i]` = n does the same by segment index, for every segment of the forward: a tree
         verify runs several segments per slot (one per root-to-leaf path) and stores one path's
-        accepted prefix (n) and nothing of the others (0)."""
+        accepted prefix (n) and nothing of the others (0); a node-once tree segment
+        (`Segment.parents`) keeps its accepted path, a tuple of node indices from the root."""
         if keep is not None and accepted is not None:
             raise ValueError("DSV4Cache.apply: pass `accepted` (by slot) or `keep` (by segment), not both")
         for w in pending:

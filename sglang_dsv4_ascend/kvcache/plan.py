@@ -20,6 +20,12 @@ Compressed entries of ratio r (entry j pools positions [j r, (j + 1) r); a query
   each taken from the committed compressor ring (position < L) or from this forward's new rows.
   They are numbered 0..E-1 in segment order; queries list them per segment.
 
+Trees (node-once verify, `Segment.parents`): a tree segment's rows are its nodes, node v at
+position L + depth(v). Its window offsets at or after L name v's ancestor at that depth (never a
+sibling's branch); an entry is completed by each node at a block's last position, pooled from that
+node's ancestors, and a row's mask shows it only the entries its own ancestors (or itself)
+completed. Each node is computed once, where path-by-path verify recomputes shared prefixes.
+
 Writes (after the layer's reads, or deferred): new SWA and compressor rows go to ring row
 slot * R + p % R, keeping only the last R rows of a long segment (older ones would be overwritten
 anyway, and two rows of one index_put must never collide); new entries go to their committed row.
@@ -65,9 +71,11 @@ class RatioPlan:
     com_hi: torch.Tensor  # [T] committed entries visible to the row: L // r
     new_table: torch.Tensor  # [G, max_new] new-entry numbers of each segment
     new_hi: torch.Tensor  # [T] new entries visible to the row: (p + 1) // r - L // r
+    new_mask: torch.Tensor | None = None  # [T, max_new] bool, trees only: the entry's node is an ancestor
     # host copies for the writes
     ent_seg_cpu: torch.Tensor = field(repr=False, default=None)
     ent_j_cpu: torch.Tensor = field(repr=False, default=None)
+    ent_done_cpu: torch.Tensor = field(repr=False, default=None)  # [E] the row (node) completing the entry
 
 
 @dataclass
@@ -144,9 +152,21 @@ class WriteLists:
         return self._states[0]
 
 
-def _stored(n, seg) -> int:
-    """Tokens of `seg` to store: n, within [0, length]."""
-    return max(0, min(int(n), seg.length))
+def _stored(n, seg):
+    """Tokens of `seg` to store: n, within [0, length]; for a tree segment its accepted path (node
+    indices from the root, each the parent of the next), or 0 for nothing."""
+    if seg.parents is None:
+        return max(0, min(int(n), seg.length))
+    if isinstance(n, int) and n == 0:
+        return ()
+    path = tuple(int(v) for v in n)
+    if not path or path[0] != 0 or any(seg.parents[b] != a for a, b in zip(path, path[1:])):
+        raise ValueError(f"tree segment {seg}: keep must be an accepted root-to-node path, got {n}")
+    return path
+
+
+def _count(k) -> int:
+    return len(k) if isinstance(k, tuple) else int(k)
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +191,13 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
     row_seg = torch.repeat_interleave(torch.arange(G), seg_n)
     row_off = torch.arange(T) - seg_first[row_seg]
     row_slot, row_L = seg_slot[row_seg], seg_L[row_seg]
-    row_pos = row_L + row_off
+    trees = {i: _Tree(s, int(seg_first[i])) for i, s in enumerate(segments) if s.parents is not None}
+    if trees and bucket is not None:
+        raise ValueError(f"bucket {bucket}: tree segments (node-once verify) run eager")
+    row_depth = row_off.clone()
+    for t in trees.values():
+        row_depth[t.rows] = t.depth
+    row_pos = row_L + row_depth
     row_first = seg_first[row_seg]
     pad = torch.zeros(P, dtype=torch.long)
     row_seg_p = torch.cat([row_seg, torch.full((P,), Tp)])  # a table row no segment uses
@@ -185,6 +211,8 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
     com_hi = torch.where(real, (row_L_p - row_pos_p + W - 1).clamp(0, W), 0)
     swa_com = row_slot_p[:, None] * R + q.clamp(min=0) % R
     swa_fresh = (row_first_p[:, None] + q - row_L_p[:, None]).clamp(min=0)
+    for t in trees.values():  # a node's rows at depth d < its own: its ancestor's
+        swa_fresh[t.rows] = t.first + t.ancestor_at(q[t.rows] - t.seg.start)
     fresh_hi = torch.where(real, W, 0)
 
     def dev(t):
@@ -192,7 +220,9 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
 
     ratios = {}
     for r in sorted({x for x in cache_ratios(cache) if x}):
-        ratios[r] = _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos_p, row_L_p, real, dev, bucket)
+        ratios[r] = _ratio_plan(
+            r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos_p, row_L_p, real, dev, bucket, trees
+        )
     plan = ForwardPlan(
         segments=list(segments),
         T=Tp,
@@ -224,6 +254,7 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
             row_slot=row_slot,
             row_pos=row_pos,
             pad_slot=cache.pad_slot,
+            trees=trees,
         ),
     )
     # The store-everything lists and the zeros, now: host work belongs before the forward, and a
@@ -252,14 +283,23 @@ def cache_ratios(cache):
     return {st.ratio for st in cache.layers}
 
 
-def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, real, dev, bucket) -> RatioPlan:
+def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, real, dev, bucket, trees) -> RatioPlan:
     overlap = r == 4
     Rc = cache.rows_ring(r)
     j0, j1 = seg_L // r, (seg_L + seg_n) // r
     ne = j1 - j0
+    done = {i: t.completing(r) for i, t in trees.items()}  # a tree: one entry per completing node
+    for i, nodes in done.items():
+        ne[i] = len(nodes)
     E = int(ne.sum())
     ent_seg = torch.repeat_interleave(torch.arange(len(seg_L)), ne)
-    ent_j = j0[ent_seg] + (torch.arange(E) - _excl_cumsum(ne)[ent_seg])
+    first_ent = _excl_cumsum(ne)
+    ent_j = j0[ent_seg] + (torch.arange(E) - first_ent[ent_seg])
+    ent_done = seg_first[ent_seg] + (ent_j + 1) * r - 1 - seg_L[ent_seg]
+    for i, nodes in done.items():
+        e = slice(int(first_ent[i]), int(first_ent[i]) + len(nodes))
+        ent_j[e] = (trees[i].seg.start + trees[i].depth[nodes] + 1) // r - 1
+        ent_done[e] = trees[i].first + nodes
     Lb = 2 * r if overlap else r
     qpos = (ent_j * r - (r if overlap else 0))[:, None] + torch.arange(Lb)
     L_e = seg_L[ent_seg][:, None]
@@ -267,6 +307,10 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
     blk_from_ring = qpos < L_e
     blk_ring = seg_slot[ent_seg][:, None] * Rc + qpos.clamp(min=0) % Rc
     blk_fresh = (seg_first[ent_seg][:, None] + qpos - L_e).clamp(min=0)
+    for i, nodes in done.items():  # the block's new positions along the completing node's path
+        e = slice(int(first_ent[i]), int(first_ent[i]) + len(nodes))
+        t = trees[i]
+        blk_fresh[e] = t.first + t.ancestor_at(qpos[e] - t.seg.start, nodes)
     ts = cache.token_slots
     ent_row = ts[dev(seg_slot[ent_seg]), dev(ent_j * r)].long() // r
     if bucket is None:
@@ -285,9 +329,16 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
         blk_fresh = torch.cat([blk_fresh, torch.zeros(Pe, Lb, dtype=torch.long)])
         ent_row = torch.cat([ent_row, dev(torch.full((Pe,), cache.pad_entry_row(r)))])
     new_table = torch.zeros(n_tab, max_new, dtype=torch.long)
-    new_table[: len(seg_L)] = (_excl_cumsum(ne)[:, None] + torch.arange(max_new)).clamp(0, max(E - 1, 0))
+    new_table[: len(seg_L)] = (first_ent[:, None] + torch.arange(max_new)).clamp(0, max(E - 1, 0))
     row_j0 = torch.where(real, row_L // r, 0)
     new_hi = torch.where(real, (row_pos + 1) // r - row_L // r, 0)
+    new_mask = None
+    if done:  # a tree's row sees the entries its ancestors completed, whichever column they sit in
+        new_mask = torch.ones(len(row_pos), max_new, dtype=torch.bool)
+        for i, nodes in done.items():
+            t = trees[i]
+            new_hi[t.rows] = len(nodes)
+            new_mask[t.rows, : len(nodes)] = t.is_ancestor[:, nodes]
     return RatioPlan(
         ratio=r,
         overlap=overlap,
@@ -305,19 +356,57 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
         com_hi=dev(row_j0),
         new_table=dev(new_table),
         new_hi=dev(new_hi),
+        new_mask=None if new_mask is None else dev(new_mask),
         ent_seg_cpu=ent_seg,
         ent_j_cpu=ent_j[:E],
+        ent_done_cpu=ent_done,
     )
+
+
+class _Tree:
+    """A tree segment's host geometry: node v is row first + v, at position start + depth[v]."""
+
+    def __init__(self, seg, first: int):
+        self.seg, self.first = seg, first
+        n = seg.length
+        self.rows = slice(first, first + n)
+        self.depth = torch.tensor(seg.depths(), dtype=torch.long)
+        D = int(self.depth.max()) + 1
+        anc = torch.zeros(n, D, dtype=torch.long)  # anc[v, d]: v's ancestor at depth d (d <= depth v)
+        self.is_ancestor = torch.zeros(n, n, dtype=torch.bool)  # [v, u]: u is v or above it
+        for v in range(n):
+            path = seg.ancestors(v)
+            anc[v, : len(path)] = torch.tensor(path)
+            anc[v, len(path) :] = v
+            self.is_ancestor[v, path] = True
+        self.anc = anc
+
+    def ancestor_at(self, d: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
+        """Node indices of each node's ancestor at depths `d` [n or len(nodes), K] (clamped into
+        the node's own path; offsets outside it are masked by the caller)."""
+        anc = self.anc if nodes is None else self.anc[nodes]
+        return anc.gather(1, d.clamp(0, anc.shape[1] - 1))
+
+    def completing(self, r: int) -> torch.Tensor:
+        """The nodes at a block's last position (each completes an entry of ratio r)."""
+        return torch.nonzero((self.seg.start + self.depth + 1) % r == 0).flatten()
 
 
 def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
     """`lengths`: tokens stored per segment (None: all of them, and the bucket's padding)."""
     c = plan.cpu
     accepted = lengths is not None
-    n = c["seg_n"].clone() if lengths is None else torch.tensor(lengths, dtype=torch.long)
+    n = c["seg_n"].clone() if lengths is None else torch.tensor([_count(k) for k in lengths], dtype=torch.long)
+    rows_of = {}  # tree segment -> the rows of its stored path, by offset from its start
+    for i, t in c["trees"].items():
+        path = lengths[i] if accepted else ()  # a tree is never stored whole: siblings share positions
+        rows_of[i], n[i] = tuple(t.first + v for v in path), len(path)
     end = c["seg_L"] + n  # committed length after this forward
     row_end = end[c["row_seg"]]
     stored = c["row_off"] < n[c["row_seg"]]
+    for i, t in c["trees"].items():
+        stored[t.rows] = False
+        stored[list(rows_of[i])] = True
     # A static plan stores whole (accepted is None): its padding rows and entries go to the scratch
     # slot and entry rows, so every list has the bucket's length.
     pad_rows = plan.T - plan.n_real if not accepted else 0
@@ -336,13 +425,15 @@ def _write_lists(plan: ForwardPlan, lengths: tuple | None) -> WriteLists:
     for r, rp in plan.ratios.items():
         rows[r] = ring_list(rp.rows_ring)
         E = len(rp.ent_j_cpu)
-        keep = rp.ent_j_cpu < end[rp.ent_seg_cpu] // r if E else torch.zeros(0, dtype=torch.bool)
+        keep = stored[rp.ent_done_cpu] if E else torch.zeros(0, dtype=torch.bool)  # its last row is stored
         if not accepted:
             keep = torch.cat([keep, torch.ones(rp.n_new - E, dtype=torch.bool)])
         idx = torch.nonzero(keep).flatten().to(plan.device)
         entries[r] = (idx, rp.ent_row[idx])
     state_segs = [
-        (int(sl), int(L), int(k), int(f)) for sl, L, k, f in zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]) if k > 0
+        (int(sl), int(L), int(k), rows_of.get(i, int(f)))
+        for i, (sl, L, k, f) in enumerate(zip(c["seg_slot"], c["seg_L"], n, c["seg_first"]))
+        if k > 0
     ]
     return WriteLists(swa_src, swa_dst, rows, entries, state_segs, static=plan.bucket is not None and not accepted)
 
@@ -403,7 +494,7 @@ def _refresh(static, fresh) -> None:
             del static._writes[key]
         return
     # RatioPlan: slot_entries is a view of the token slots, the same storage every step
-    static.ent_seg_cpu, static.ent_j_cpu = fresh.ent_seg_cpu, fresh.ent_j_cpu
+    static.ent_seg_cpu, static.ent_j_cpu, static.ent_done_cpu = fresh.ent_seg_cpu, fresh.ent_j_cpu, fresh.ent_done_cpu
     for name in _ENTRY_TABLES:
         _copy(getattr(static, name), getattr(fresh, name), name)
 

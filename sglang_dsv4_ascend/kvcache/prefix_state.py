@@ -250,7 +250,8 @@ def state_lists(
     store: PrefixStates, segs: list, swa_ring: int, rows_ring: int | None, token_slots, device
 ) -> StateLists | None:
     """Reserve states for the page boundaries that `segs` complete and return their gather lists.
-    `segs`: (slot, start L, stored tokens n, first row of the segment in the step's new rows).
+    `segs`: (slot, start L, stored tokens n, first row of the segment in the step's new rows, or
+    the rows of a tree segment's stored path).
     A boundary b with L < b <= L + n is complete once the step stores its rows."""
     W = store.window
     found = boundaries_of(store, segs)
@@ -281,12 +282,17 @@ def state_lists(
                 store.keep(i)
     slot = torch.tensor([f[0] for f, _ in kept])[:, None]
     start = torch.tensor([f[1] for f, _ in kept])[:, None]
-    first = torch.tensor([f[2] for f, _ in kept])[:, None]
+    # f[2]: the segment's first row in the step (its rows follow in order), or for a tree
+    # segment (node-once verify) the rows of its stored path
+    trees = [(k, f[2]) for k, (f, _) in enumerate(kept) if isinstance(f[2], tuple)]
+    first = torch.tensor([0 if isinstance(f[2], tuple) else f[2] for f, _ in kept])[:, None]
     b = torch.tensor([f[3] for f, _ in kept])[:, None]
 
     def lists(q, ring):
         take_new = q >= start
         new = (first + q - start).clamp(min=0)
+        for k, rows in trees:  # a tree's stored path: its rows by offset from the start
+            new[k] = torch.tensor(rows)[(q[k] - start[k]).clamp(0, len(rows) - 1)]
         ring_rows = slot * ring + q.clamp(min=0) % ring if ring else torch.zeros_like(q)
         return new.to(device), ring_rows.to(device), take_new.to(device)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
+from .. import ops, settings
 from ..batch import COMPRESSOR, INDEXER, LayerWrites, SegmentWrites
 from ..distributed.layout import Layout
 from ..ops.reference import Source, pad_rows
@@ -112,7 +112,7 @@ class Attention(nn.Module):
             )
             qi, wi = self.indexer.queries(q_lat, x, cos, sin)
             committed = Source(st.entries[INDEXER], rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, 4)
-            completed = Source(entries[INDEXER], rp.new_table, plan.row_seg, zeros, rp.new_hi)
+            completed = Source(entries[INDEXER], rp.new_table, plan.row_seg, zeros, rp.new_hi, rp.new_mask)
             picks_com, picks_new = self.indexer.select_batched(
                 qi, wi, committed, completed, rp, T, n_swa, plan.host_groups
             )
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         elif self.compressor is not None:  # HCA: every visible entry
             extra = [
                 Source(st.kv, rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, self.ratio, n_swa),
-                Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, None, 1, T),
+                Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, rp.new_mask, 1, T),
             ]
         sources = [
             Source(st.kv, plan.swa_com, None, plan.swa_com_lo, plan.swa_com_hi),
@@ -140,6 +140,10 @@ class Attention(nn.Module):
 
     def forward_segments(self, x, positions, segments, cache, pending: list | None = None) -> torch.Tensor:
         """The definition: each segment against the cache in turn."""
+        if any(s.parents is not None for s in segments):
+            raise ValueError(
+                f"tree segments (node-once verify) run on the batched path only, not {settings.ATTENTION.name}=segments"
+            )
         cos, sin, q_lat, q, kv = self._project(x, positions)
         rows = {}
         if self.compressor is not None:

@@ -188,7 +188,8 @@ class Indexer(nn.Module):
     def _candidate_scores(self, q, w, src, a: int, b: int, c0: int, c1: int, shared=None):
         """Scores [b-a, c1-c0] of candidates c0..c1-1 of one source for rows a..b-1, and visibility.
         `shared`: the table row all these rows use (one request), read once; None: per row."""
-        part = Source(src.pool, src.table[:, c0:c1], src.group, src.lo - c0, src.hi - c0, None, src.div, src.offset)
+        mask = None if src.mask is None else src.mask[:, c0:c1]  # a tree row's own branch (plan.py)
+        part = Source(src.pool, src.table[:, c0:c1], src.group, src.lo - c0, src.hi - c0, mask, src.div, src.offset)
         rows, ok = source_rows(part, a, b)
         n = max(0, src.pool.shape[0] - 1)
         if shared is not None:

@@ -225,11 +225,19 @@ def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=
     if positions.device.type == "cpu":
         expected = positions[:0]
         if segments:
-            expected = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+            expected = torch.cat([s.start + torch.tensor(s.depths(), dtype=torch.long) for s in segments])
         if not torch.equal(positions[:total], expected):
-            raise ValueError("positions must be start..start+length-1 for each segment, in segment order")
+            raise ValueError(
+                "positions must be start..start+length-1 for each segment (start + depth for a tree), in segment order"
+            )
     for s in segments:
         if not 0 <= s.slot < cache.num_slots or s.length <= 0 or s.start < 0:
             raise ValueError(f"bad segment {s}: need 0 <= slot < {cache.num_slots}, start >= 0, length > 0")
+        if s.parents is not None:
+            ok = len(s.parents) == s.length and s.parents[0] == -1
+            if not ok or any(not 0 <= p < i for i, p in enumerate(s.parents) if i):
+                raise ValueError(f"bad tree segment {s}: parents[0] must be -1 and each parent an earlier node")
+            if not deferred:
+                raise ValueError(f"a tree segment's writes must be deferred (pending=[]): {s}")
         if s.start + s.length > cache.capacity:
             raise ValueError(f"segment {s} runs past max_context_len + spec_slack = {cache.capacity}")

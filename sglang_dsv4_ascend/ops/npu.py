@@ -17,10 +17,10 @@ keeps per-request SWA rings and an entry store addressed through token slots, so
 that layout (or a gather into it) first.
 
 Tree verify (speculative/engine.py) needs nothing more of the batched attention than the chain
-does: each root-to-leaf path is its own segment, so every query row's key list is still "its
-request's committed rows + the earlier rows of its own segment", the per-row index lists the plan
-builds, which is what the mapping below gathers. A `npu_sparse_attn_sharedkv` mapping would pass the same
-lists (or, computing each node once, lists naming only the node's ancestors). Unwritten.
+does: a node-once tree row's key list is "its request's committed rows + its ancestors' rows +
+the entries its ancestors completed", given as the per-row index lists and masks the plan builds
+(kvcache/plan.py), which is what the mapping below gathers. A `npu_sparse_attn_sharedkv` mapping
+would pass the same lists. Unwritten.
 
 `torch_npu` is imported inside each function, never at module import: importing it without CANN
 breaks `import torch`, and this module is imported on CPU machines too.

@@ -8,14 +8,16 @@ b (the last sample, at position L, in no cache yet):
    L-1, which read (b, target streams at L-1)) gives the root's children; each further step runs
    the NextN block over every current leaf's path (one segment per leaf at start L, writes
    discarded) and extends the tree (tree.TreeBuilder, SGLang's EAGLE scheme);
-2. verify: the target runs one segment per root-to-leaf path (start L, the path's tokens at
-   L + depth), writes deferred. A node thus sees exactly the committed history and its own
-   ancestors: its SWA window along its path, the compressed entries its own path completes, indexer
-   top-k of its own. Node i's logits come from its row in the first path that holds it. The rows
-   cost sum over leaves of (depth + 1): the price of reusing the chain path unchanged;
-3. accept (accept.py): greedy or lossless rejection sampling over the tree. The accepted path is
-   a prefix of one leaf's path, and only that segment's prefix is stored (`cache.apply(pending,
-   keep=...)`): nothing of a rejected node reaches any cache or compressor row;
+2. verify: the target runs one segment per request, writes deferred; a tree's segment carries
+   its parents (`Segment.parents`, kvcache/plan.py), so each node is one row at L + depth that
+   sees exactly the committed history and its own ancestors: its SWA window along its path, the
+   compressed entries its own ancestors complete, indexer top-k of its own. Under the per-segment
+   definition (SGLANG_DSV4_ATTENTION=segments), or SGLANG_DSV4_TREE_VERIFY=paths, or when only
+   the path form fits a captured bucket, the tree runs as one segment per root-to-leaf path
+   instead (`verify_segments`), shared prefixes recomputed;
+3. accept (accept.py): greedy or lossless rejection sampling over the tree. Only the accepted
+   path is stored (`cache.apply(pending, keep=...)`: the tree segment's path, or a prefix of one
+   leaf's path segment): nothing of a rejected node reaches any cache or compressor row;
 4. draft extend: the NextN block reads (the accepted tokens after b and the new bonus, the
    target's streams at the accepted rows) at positions L .. L' - 1, into its own SWA cache; its
    last row is the next round's draft state.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import settings
 from ..batch import Segment
 from .accept import accept_batch
 from .tree import DraftTree
@@ -109,6 +112,7 @@ class SpecEngine:
         self.graphs = None  # graphs.VerifyGraphs when the verify is captured
         self.shapes = None  # shapes.ShapePlanner: NextN's round shape (tree, chain, none) per round
         self.draft_graphs = None  # graphs.DraftGraphs / NextNStepGraphs when the draft is captured
+        self.node_once = settings.TREE_VERIFY.get() == "nodes"  # trees: verify_segments
         self.drafter = drafter_factory(self)
         if cache.prefix is not None and hasattr(self.drafter, "enable_prefix"):
             self.drafter.enable_prefix(cache.prefix)  # prefix hits restore the draft's state too
@@ -156,20 +160,14 @@ class SpecEngine:
         trees = drafts.trees
 
         with stage("verify"):
-            segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
-            for slot, L, tree in zip(slots, starts, trees):
-                first, by_leaf = {}, {}
-                for path in tree.paths():
-                    by_leaf[path[-1]] = len(segs)
-                    for d, node in enumerate(path):
-                        first.setdefault(node, len(ids) + d)
-                    segs.append(Segment(slot, L, len(path)))
-                    seg_first.append(len(ids))
-                    ids += [tree.tokens[n] for n in path]
-                    pos += range(L, L + len(path))
-                node_rows.append([first[i] for i in range(tree.n)])
-                leaf_seg.append(by_leaf)
             trunk, dev = self.model.model, self.device
+            # a captured verify takes chains only: a tree round it holds path by path runs
+            # captured, any other node-once and eager
+            paths = self.graphs is not None and any(t.n > 1 + max(t.depth()) for t in trees)
+            if paths:
+                paths = self.graphs.bucket_for(verify_segments(slots, starts, trees, node_once=False)[0]) is not None
+            node_once = self.node_once and trunk.attention_impl == "batched" and not paths
+            segs, seg_first, ids, pos, node_rows, leaf_seg = verify_segments(slots, starts, trees, node_once)
             pending, aux = [], {"layer_ids": getattr(self.drafter, "layer_ids", ())}
             ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
             hidden = None if self.graphs is None else self.graphs.run(segs, ids_t, pos_t, pending, aux)
@@ -185,12 +183,17 @@ class SpecEngine:
         with stage("commit"):
             keep = [0] * len(segs)
             commit_rows, ext_segs, shifted = [], [], []
-            out = RoundResult([], [], [], [], trees, drafted=drafted, plan=plan)
+            out = RoundResult([], [], [], [], trees, drafted=drafted, plan={**plan, "verify_rows": len(ids)})
             for b, ((path, tok), tree) in enumerate(zip(results, trees)):
-                leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
-                s = leaf_seg[b][leaf]
-                keep[s] = len(path)
-                commit_rows += range(seg_first[s], seg_first[s] + len(path))
+                if leaf_seg[b] is None:  # one segment for the request: a tree's path, or a chain's prefix
+                    s = b
+                    keep[s] = tuple(path) if segs[s].parents is not None else len(path)
+                    commit_rows += [seg_first[s] + n for n in path]
+                else:
+                    leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
+                    s = leaf_seg[b][leaf]
+                    keep[s] = len(path)
+                    commit_rows += range(seg_first[s], seg_first[s] + len(path))
                 emitted = [tree.tokens[n] for n in path[1:]] + [tok]
                 shifted += emitted  # draft row at L + i reads token L + i + 1
                 ext_segs.append(Segment(slots[b], starts[b], len(path)))
@@ -218,6 +221,40 @@ class SpecEngine:
             draft_s = None if skip else stage.t["draft"]
             self.planner.observe(len(slots), plan.get("rows", 0), sum(stage.t.values()), draft_s)
         return out
+
+
+def verify_segments(slots, starts, trees, node_once: bool = True):
+    """The verify forward's segments for each request's draft tree: (segments, first row of each,
+    ids, positions, each request's node rows, each request's leaf -> segment or None).
+
+    Node-once (the batched attention): one segment per request; a tree's segment carries its
+    parents, so each node is computed once and sees its ancestors only (kvcache/plan.py), and a
+    chain is a plain segment. Otherwise (the per-segment definition, which has no tree geometry)
+    one segment per root-to-leaf path, shared prefixes recomputed on each path."""
+    segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
+    for slot, L, tree in zip(slots, starts, trees):
+        if node_once:
+            chain = all(p == i - 1 for i, p in enumerate(tree.parents))
+            seg = Segment(slot, L, tree.n, None if chain else tuple(tree.parents))
+            node_rows.append(list(range(len(ids), len(ids) + tree.n)))
+            leaf_seg.append(None)
+            segs.append(seg)
+            seg_first.append(len(ids))
+            ids += list(tree.tokens)
+            pos += [L + d for d in seg.depths()]
+            continue
+        first, by_leaf = {}, {}
+        for path in tree.paths():
+            by_leaf[path[-1]] = len(segs)
+            for d, node in enumerate(path):
+                first.setdefault(node, len(ids) + d)
+            segs.append(Segment(slot, L, len(path)))
+            seg_first.append(len(ids))
+            ids += [tree.tokens[n] for n in path]
+            pos += range(L, L + len(path))
+        node_rows.append([first[i] for i in range(tree.n)])
+        leaf_seg.append(by_leaf)
+    return segs, seg_first, ids, pos, node_rows, leaf_seg
 
 
 def round_decisions(drafts: Drafts, plan: dict, out: RoundResult) -> dict:

@@ -3,7 +3,8 @@
 request bucket (DraftGraphs).
 
 A verify forward runs every request's segment (DSpark and NextN chain: one per request, up to
-seg_tokens rows; NextN tree: one per root-to-leaf path) with its cache writes deferred, and its
+seg_tokens rows; NextN tree: one per root-to-leaf path, the form a bucket takes, else the round
+runs node-once and eager) with its cache writes deferred, and its
 row count changes every round (adaptive budgets, trees, requests joining and leaving). Captured,
 it runs at a fixed number of rows: the smallest captured bucket that holds the round, the rest
 padding rows, which read no key (kvcache/plan.py: output 0) and whose deferred writes are
@@ -78,6 +79,8 @@ class RowGraphs:
             log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {_spent(tic, mem)}")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
+        if any(s.parents is not None for s in segments):  # node-once trees run eager (plan.py)
+            return None
         T = sum(s.length for s in segments)
         longest = max((s.length for s in segments), default=0)
         return next((b for b in self.buckets if b.rows >= T and b.seg_tokens >= longest), None)

@@ -44,10 +44,10 @@ class ShapePlanner:
         self.configured = "tree" if topk > 1 else "chain"
         self.explore, self.every, self.agree = explore, every, agree
         # unknown until a round of the shape is seen (the first rounds take each shape once); the
-        # tree's rows at most every candidate on its own path
+        # tree verifies each node once (engine.verify_segments), rows learned from the rounds
         self.accepted = {"plain": 0.0, "chain": None, "tree": None}
         self.seen = dict.fromkeys(SHAPES, 0)
-        self.rows = {"plain": 1.0, "chain": steps + 1.0, "tree": float(topk * steps + 1)}
+        self.rows = {"plain": 1.0, "chain": steps + 1.0, "tree": float(draft_tokens)}
         self.online = None  # OnlineCost of a round without its draft stage
         self.pad = None  # rows -> the rows the verify runs at (a captured bucket)
         self.drafts = {s: {} for s in self.shapes}  # shape -> R -> recent draft seconds

@@ -43,7 +43,7 @@ def impl(model, name):
 
 
 def _forward(model, cache, segs, ids, pending=None):
-    pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
+    pos = torch.cat([s.start + torch.tensor(s.depths()) for s in segs])
     return model.compute_logits(model(ids, pos, segs, cache, pending=pending))
 
 
@@ -64,9 +64,13 @@ def _prefilled(model, prompt, slots=1):
     return cache
 
 
-def tree_verify(model, cache, tree: DraftTree, start: int, slot: int = 0):
-    """The worker's verify: one deferred segment per root-to-leaf path. Returns (node logits,
-    pending, segments, leaf -> segment index)."""
+def tree_verify(model, cache, tree: DraftTree, start: int, slot: int = 0, nodes: bool = False):
+    """The worker's verify: one deferred segment per root-to-leaf path, or (`nodes`) one tree
+    segment computing each node once. Returns (node logits, pending, segments, leaf -> segment
+    index; None for the tree segment)."""
+    if nodes:
+        pending, seg = [], Segment(slot, start, tree.n, tuple(tree.parents))
+        return _forward(model, cache, [seg], torch.tensor(tree.tokens), pending), pending, [seg], None
     segs, ids, first, leaf_seg, row = [], [], {}, {}, 0
     for path in tree.paths():
         leaf_seg[path[-1]] = len(segs)
@@ -81,7 +85,11 @@ def tree_verify(model, cache, tree: DraftTree, start: int, slot: int = 0):
 
 
 def commit(cache, tree, pending, segs, leaf_seg, path, leaf=None):
-    """Store `path` (a root-prefix of some leaf's path): that leaf's segment keeps len(path)."""
+    """Store `path` (a root-prefix of some leaf's path): that leaf's segment keeps len(path), or
+    the tree segment keeps the path itself."""
+    if leaf_seg is None:
+        cache.apply(pending, keep=(tuple(path),))
+        return
     if leaf is None:
         leaf = next(lf for lf in tree.leaves() if tree.path(lf)[: len(path)] == path)
     keep = [0] * len(segs)
@@ -89,17 +97,57 @@ def commit(cache, tree, pending, segs, leaf_seg, path, leaf=None):
     cache.apply(pending, keep=tuple(keep))
 
 
-@pytest.mark.parametrize("name", ["batched", "segments"])
+# how the verify runs: path by path with either attention, or node-once (batched path only)
+VERIFY = [("batched", False), ("segments", False), ("batched", True)]
+
+
+def _node_errors(model, prompt, got, tree):
+    return [
+        (got[i] - _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1])
+        .abs()
+        .max()
+        .item()
+        for i in range(tree.n)
+    ]
+
+
+@pytest.mark.parametrize("name,nodes", VERIFY)
 @pytest.mark.parametrize("t", range(len(TREES)))
-def test_tree_node_logits_equal_a_full_forward_over_its_path(dsv4_model, name, t):
-    model, prompt = dsv4_model("flash"), _ids(L, 12)
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+def test_tree_node_logits_equal_a_full_forward_over_its_path(dsv4_model, name, nodes, t, preset):
+    if preset == "pro" and not nodes:
+        pytest.skip("path-by-path verify: flash covers it")
+    model, prompt = dsv4_model(preset), _ids(L, 12)
     tree = DraftTree(*TREES[t])
     cache = _prefilled(model, prompt)
     with impl(model, name):
-        got, _, _, _ = tree_verify(model, cache, tree, L)
+        got, _, _, _ = tree_verify(model, cache, tree, L, nodes=nodes)
     for i in range(tree.n):
         ref = _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1]
         torch.testing.assert_close(got[i], ref, **TOL, msg=f"node {i} of tree {t}")
+
+
+@pytest.mark.parametrize("broken", ["window_in_node_order", "siblings_entries_visible"])
+def test_broken_node_once_geometry_is_caught(dsv4_model, monkeypatch, broken):
+    """Node-once verify with a node's window rows taken in node order (a sibling's branch instead
+    of its ancestors) or with every entry the tree completes visible to every node (a sibling's
+    CSA / HCA entry at 255): the oracle comparison must fail."""
+    if broken == "window_in_node_order":
+        monkeypatch.setattr(plan_mod._Tree, "ancestor_at", lambda self, d, nodes=None: d.clamp(0, self.seg.length - 1))
+    else:
+        real = plan_mod._ratio_plan
+
+        def all_visible(*a, **k):
+            rp = real(*a, **k)
+            if rp.new_mask is not None:
+                rp.new_mask.fill_(True)
+            return rp
+
+        monkeypatch.setattr(plan_mod, "_ratio_plan", all_visible)
+    model, prompt = dsv4_model("flash"), _ids(L, 12)
+    tree = DraftTree(*TREES[0])
+    got, _, _, _ = tree_verify(model, _prefilled(model, prompt), tree, L, nodes=True)
+    assert max(_node_errors(model, prompt, got, tree)) > 1e-2
 
 
 def test_broken_node_order_chain_is_caught(dsv4_model):
@@ -109,13 +157,7 @@ def test_broken_node_order_chain_is_caught(dsv4_model):
     tree = DraftTree(*TREES[0])
     cache = _prefilled(model, prompt)
     got = _forward(model, cache, [Segment(0, L, tree.n)], torch.tensor(tree.tokens), pending=[])
-    errs = [
-        (got[i] - _oracle(model, torch.cat([prompt, torch.tensor([tree.tokens[n] for n in tree.path(i)])]))[-1])
-        .abs()
-        .max()
-        .item()
-        for i in range(tree.n)
-    ]
+    errs = _node_errors(model, prompt, got, tree)
     assert max(errs) > 1e-2, errs
 
 
@@ -124,14 +166,14 @@ def test_broken_node_order_chain_is_caught(dsv4_model):
 CHAIN7 = (tuple(range(51, 58)), tuple(range(-1, 6)))
 
 
-def _two_rounds(model, prompt, paths, leaves=(None, None), cont=8, trees=(TREES[0], TREES[1])):
+def _two_rounds(model, prompt, paths, leaves=(None, None), cont=8, trees=(TREES[0], TREES[1]), nodes=False):
     """Tree rounds (TREES[0] then TREES[1]) each committing `paths[k]`, then `cont` plain decode
     tokens. Returns (logits of the decoded tokens, the full-forward reference)."""
     cache = _prefilled(model, prompt)
     seq, start = prompt.tolist(), L
     for k, (spec, path) in enumerate(zip(trees, paths)):
         tree = DraftTree(*spec)
-        _, pending, segs, leaf_seg = tree_verify(model, cache, tree, start)
+        _, pending, segs, leaf_seg = tree_verify(model, cache, tree, start, nodes=nodes)
         commit(cache, tree, pending, segs, leaf_seg, path, leaves[k])
         seq += [tree.tokens[n] for n in path]
         start += len(path)
@@ -148,21 +190,33 @@ def _two_rounds(model, prompt, paths, leaves=(None, None), cont=8, trees=(TREES[
 ACCEPTS = [([0, 2, 5], [0]), ([0, 1, 4, 6], [0, 3, 6]), ([0], [0, 1, 4])]
 
 
-@pytest.mark.parametrize("name", ["batched", "segments"])
+@pytest.mark.parametrize("name,nodes", VERIFY)
 @pytest.mark.parametrize("paths", ACCEPTS)
-def test_commit_stores_the_accepted_path_only(dsv4_model, name, paths):
+def test_commit_stores_the_accepted_path_only(dsv4_model, name, nodes, paths):
     model = dsv4_model("flash")
     with impl(model, name):
-        got, ref = _two_rounds(model, _ids(L, 12), paths)
+        got, ref = _two_rounds(model, _ids(L, 12), paths, nodes=nodes)
     torch.testing.assert_close(got, ref, **TOL)
 
 
-@pytest.mark.parametrize("name", ["batched", "segments"])
-def test_commit_of_a_short_prefix_of_a_deep_chain(dsv4_model, name):
+@pytest.mark.parametrize("name,nodes", VERIFY)
+def test_commit_of_a_short_prefix_of_a_deep_chain(dsv4_model, name, nodes):
     model = dsv4_model("flash")
     with impl(model, name):
-        got, ref = _two_rounds(model, _ids(L, 12), ([0, 1, 2],), trees=(CHAIN7,))
+        got, ref = _two_rounds(model, _ids(L, 12), ([0, 1, 2],), trees=(CHAIN7,), nodes=nodes)
     torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_broken_node_once_commit_of_a_sibling_is_caught(dsv4_model):
+    """A tree commit whose stored rows are the accepted path's depth-mates in another branch."""
+    model = dsv4_model("flash")
+    real = plan_mod._stored
+    swap = {(0, 2, 5): (0, 1, 4)}  # same depths, the other branch
+    plan_mod_stored = lambda n, seg: swap.get(real(n, seg), real(n, seg)) if seg.parents else real(n, seg)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_mod, "_stored", plan_mod_stored)
+        got, ref = _two_rounds(model, _ids(L, 12), ([0, 2, 5], [0]), nodes=True)
+    assert (got - ref).abs().max() > 1e-2
 
 
 def test_broken_commit_of_the_wrong_path_is_caught(dsv4_model):
@@ -219,3 +273,47 @@ def test_tree_shapes_the_worker_cannot_serve_name_the_flag(steps, topk, n, flag)
         check_tree_shape(steps, topk, n)
     check_tree_shape(3, 1, 4)
     check_tree_shape(3, 4, 8)
+
+
+def test_engine_rounds_node_once_equal_path_by_path_with_fewer_rows(dsv4_model, tiny_ckpt):
+    """Whole NextN tree rounds (topk 4, real drafts, three requests crossing the 256 boundary),
+    node-once against path by path: the same tokens every round, and the verify runs the trees'
+    nodes only (fewer rows than the sum over leaves of depth + 1 whenever a tree branches)."""
+    import types
+
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+    from sglang_dsv4_ascend.speculative.engine import SpecEngine
+
+    model = dsv4_model("flash")
+    nextn = load_nextn_from_dir(tiny_ckpt("flash"), model.cfg)
+    prompts = [_ids(n, 20 + n).tolist() for n in (250, 120, 33)]
+    runs = {}
+    for node_once in (True, False):
+        host = types.SimpleNamespace(model=model, nextn=nextn, cfg=model.cfg)
+        cache = model.make_cache(len(prompts), 320, 8)
+        eng = SpecEngine(host, cache, NextNDrafter, torch.Generator(), topk=4, num_steps=3, num_draft_tokens=8)
+        eng.node_once = node_once
+        segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+        aux = {}
+        h = model(
+            torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux
+        )
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        got = [[int(t)] for t in model.compute_logits(h[ends]).argmax(-1)]
+        shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+        eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+        lens, rows = [len(p) for p in prompts], []
+        for _ in range(4):
+            r = eng.round([0, 1, 2], lens, [g[-1] for g in got], None, None, [0, 1, 2])
+            for s, (e, a) in enumerate(zip(r.emitted, r.accept_lens)):
+                got[s] += e
+                lens[s] += a
+            want = (
+                [t.n for t in r.trees] if node_once else [sum(t.depth()[lf] + 1 for lf in t.leaves()) for t in r.trees]
+            )
+            assert r.plan["verify_rows"] == sum(want)
+            rows.append(r.plan["verify_rows"])
+        runs[node_once] = got, rows
+    assert runs[True][0] == runs[False][0]
+    assert all(a < b for a, b in zip(runs[True][1], runs[False][1])), (runs[True][1], runs[False][1])

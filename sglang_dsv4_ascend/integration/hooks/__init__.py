@@ -36,6 +36,7 @@ from . import (
     spec_stats_every_chat_chunk,
     spec_stats_every_completion_chunk,
     spec_stats_every_output,
+    tree_kv_reservation,
 )
 
 # The order of patches/README.md (its numbers).
@@ -62,4 +63,5 @@ HOOKS = [
     pd_draft_input.HOOK,
     nextn_info_record.HOOK,
     pd_timeout_peer.HOOK,
+    tree_kv_reservation.HOOK,
 ]

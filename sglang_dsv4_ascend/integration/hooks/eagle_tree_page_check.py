@@ -3,7 +3,7 @@
 
 Why a hook: the step refuses topk > 1 with pages > 1 unless the backend is one of SGLang's cascade
 backends (flashinfer, fa3, triton), which duplicate pages per branch. Our worker verifies a tree as
-one deferred segment per root-to-leaf path over positional slots and needs no cascade; no registry
+one deferred node-once segment per request over positional slots and needs no cascade; no registry
 lets a backend declare that it supports paged trees.
 """
 
@@ -16,8 +16,8 @@ from ..server_defaults import declared_during
 
 def handle_eagle_family(orig, server_args):
     """SGLang refuses EAGLE topk > 1 with pages > 1 unless the backend is one of its cascade
-    backends, which duplicate pages per branch. Our worker verifies trees as root-to-leaf paths
-    over positional slots and needs no cascade; the check is run with a backend it accepts and
+    backends, which duplicate pages per branch. Our worker verifies trees node-once over
+    positional slots and needs no cascade; the check is run with a backend it accepts and
     ours is declared back right after (the last declaration wins)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
