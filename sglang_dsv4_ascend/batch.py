@@ -24,23 +24,33 @@ class Segment:
     (= tokens already in its cache, the committed length), `length` = number of new tokens.
 
     `parents` (a speculative verify's draft tree, node-once): the new tokens are the nodes of a
-    tree, parents before children (parents[0] = -1, the root at `start`); node i sits at position
-    start + depth(i) and sees the cache and its own ancestors only, never a sibling's branch. None:
-    a chain, token i at start + i (every other forward)."""
+    tree, parents before children (parents[0] = -1, the root at `start`; a draft step's forest has
+    several roots); node i sits at position start + depth(i) and sees the cache and its own
+    ancestors only, never a sibling's branch. None: a chain, token i at start + i (every other
+    forward).
+
+    `past` (a NextN draft step, incremental): the tree's first len(past) nodes were computed by an
+    earlier forward of the same round; their keys are rows past[i] of the plan's `past_kv`, and
+    only the remaining `length` nodes are this forward's tokens (parents covers both)."""
 
     slot: int
     start: int
     length: int
     parents: tuple | None = None
+    past: tuple = ()
 
-    def depths(self) -> list[int]:
-        """Each new token's offset from `start` (its depth in the tree)."""
+    def node_depths(self) -> list[int]:
+        """Every node's offset from `start` (its depth in the tree), past nodes included."""
         if self.parents is None:
             return list(range(self.length))
         d = []
         for p in self.parents:
             d.append(0 if p < 0 else d[p] + 1)
         return d
+
+    def depths(self) -> list[int]:
+        """Each new token's offset from `start`."""
+        return self.node_depths()[len(self.past) :]
 
     def ancestors(self, i: int) -> list[int]:
         """Node i's root-to-node path (indices among the segment's tokens)."""

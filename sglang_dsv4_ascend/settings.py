@@ -198,9 +198,9 @@ TREE_VERIFY = _setting(
     kind="choice",
     default="nodes",
     shape="nodes\\|paths",
-    meaning="how a NextN tree is verified: nodes (one segment per request, each node computed once against its "
-    "ancestors) or paths (one segment per root-to-leaf path, shared prefixes recomputed; the earlier form, kept "
-    "to compare)",
+    meaning="how a NextN tree is verified and drafted: nodes (one segment per request, each node computed once "
+    "against its ancestors; draft steps compute only their new leaves) or paths (one segment per root-to-leaf "
+    "path, shared prefixes recomputed; the earlier form, kept to compare)",
     choices=("nodes", "paths"),
 )
 TEST_DRAFTER = _setting(

@@ -25,6 +25,9 @@ position L + depth(v). Its window offsets at or after L name v's ancestor at tha
 sibling's branch); an entry is completed by each node at a block's last position, pooled from that
 node's ancestors, and a row's mask shows it only the entries its own ancestors (or itself)
 completed. Each node is computed once, where path-by-path verify recomputes shared prefixes.
+A NextN draft step extends its tree incrementally: the nodes earlier steps computed are the
+segment's `past`, keyed from `plan.past_kv` (after the forward's own T rows in the window's pool),
+and only the new frontier is computed (SWA-only layers: the draft has no compressor).
 
 Writes (after the layer's reads, or deferred): new SWA and compressor rows go to ring row
 slot * R + p % R, keeping only the last R rows of a long segment (older ones would be overwritten
@@ -99,6 +102,7 @@ class ForwardPlan:
     bucket: Bucket | None = None
     n_real: int = 0  # rows that belong to segments (the rest is bucket padding)
     host_groups: tuple | None = None  # (row_slot, row_seg) as Python lists, for host-side decisions in layers
+    past_kv: dict | None = None  # layer -> [P, D] keys of tree nodes computed earlier (Segment.past), set by the caller
     # host copies (CPU tensors) used to build write lists
     cpu: dict = field(repr=False, default_factory=dict)
     _writes: dict = field(repr=False, default_factory=dict)
@@ -212,7 +216,7 @@ def build_plan(segments, cache, device=None, bucket: Bucket | None = None) -> Fo
     swa_com = row_slot_p[:, None] * R + q.clamp(min=0) % R
     swa_fresh = (row_first_p[:, None] + q - row_L_p[:, None]).clamp(min=0)
     for t in trees.values():  # a node's rows at depth d < its own: its ancestor's
-        swa_fresh[t.rows] = t.first + t.ancestor_at(q[t.rows] - t.seg.start)
+        swa_fresh[t.rows] = t.pool_rows(Tp)[t.ancestor_at(q[t.rows] - t.seg.start)]
     fresh_hi = torch.where(real, W, 0)
 
     def dev(t):
@@ -288,6 +292,8 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
     Rc = cache.rows_ring(r)
     j0, j1 = seg_L // r, (seg_L + seg_n) // r
     ne = j1 - j0
+    if any(t.past for t in trees.values()):
+        raise ValueError("tree segments with past nodes (incremental draft steps) are for SWA-only layers")
     done = {i: t.completing(r) for i, t in trees.items()}  # a tree: one entry per completing node
     for i, nodes in done.items():
         ne[i] = len(nodes)
@@ -364,14 +370,15 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
 
 
 class _Tree:
-    """A tree segment's host geometry: node v is row first + v, at position start + depth[v]."""
+    """A tree segment's host geometry: new node v (after the segment's past ones) is row
+    first + v, at position start + depth[v]."""
 
     def __init__(self, seg, first: int):
-        self.seg, self.first = seg, first
-        n = seg.length
-        self.rows = slice(first, first + n)
+        self.seg, self.first, self.past = seg, first, len(seg.past)
+        n = len(seg.parents)
+        self.rows = slice(first, first + seg.length)
         self.depth = torch.tensor(seg.depths(), dtype=torch.long)
-        D = int(self.depth.max()) + 1
+        D = max(seg.node_depths()) + 1
         anc = torch.zeros(n, D, dtype=torch.long)  # anc[v, d]: v's ancestor at depth d (d <= depth v)
         self.is_ancestor = torch.zeros(n, n, dtype=torch.bool)  # [v, u]: u is v or above it
         for v in range(n):
@@ -382,10 +389,16 @@ class _Tree:
         self.anc = anc
 
     def ancestor_at(self, d: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
-        """Node indices of each node's ancestor at depths `d` [n or len(nodes), K] (clamped into
-        the node's own path; offsets outside it are masked by the caller)."""
-        anc = self.anc if nodes is None else self.anc[nodes]
+        """Node indices of each new node's (or `nodes`') ancestor at depths `d` [n or len(nodes),
+        K] (clamped into the node's own path; offsets outside it are masked by the caller)."""
+        anc = self.anc[self.past :] if nodes is None else self.anc[nodes]
         return anc.gather(1, d.clamp(0, anc.shape[1] - 1))
+
+    def pool_rows(self, T: int) -> torch.Tensor:
+        """Each node's key row in the forward's fresh SWA pool: a new node's own row, a past
+        node's row T + past[v] (plan.past_kv follows the forward's T rows)."""
+        new = self.first + torch.arange(self.seg.length)
+        return torch.cat([T + torch.tensor(self.seg.past, dtype=torch.long), new])
 
     def completing(self, r: int) -> torch.Tensor:
         """The nodes at a block's last position (each completes an entry of ratio r)."""

@@ -126,9 +126,14 @@ class Attention(nn.Module):
                 Source(st.kv, rp.slot_entries, plan.row_slot, zeros, rp.com_hi, None, self.ratio, n_swa),
                 Source(fresh, rp.new_table, plan.row_seg, zeros, rp.new_hi, rp.new_mask, 1, T),
             ]
+        window = fresh
+        if plan.past_kv is not None:  # tree nodes an earlier forward computed (plan.py), after the T rows
+            if self.compressor is not None:
+                raise ValueError("past tree nodes (plan.past_kv) are for SWA-only layers")
+            window = torch.cat([kv, plan.past_kv[self.layer_id].to(kv.dtype)])
         sources = [
             Source(st.kv, plan.swa_com, None, plan.swa_com_lo, plan.swa_com_hi),
-            Source(fresh, plan.swa_fresh, None, plan.swa_fresh_lo, plan.swa_fresh_hi),
+            Source(window, plan.swa_fresh, None, plan.swa_fresh_lo, plan.swa_fresh_hi),
         ] + extra
         out = ops.sparse_attention_sources(q, sources, self.attn_sink, self.head_dim**-0.5)
         writes = LayerWrites(self.layer_id, plan, kv, rows, entries)

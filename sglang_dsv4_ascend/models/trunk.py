@@ -234,9 +234,12 @@ def check_batch(input_ids, positions, segments, cache, padded_to=None, deferred=
         if not 0 <= s.slot < cache.num_slots or s.length <= 0 or s.start < 0:
             raise ValueError(f"bad segment {s}: need 0 <= slot < {cache.num_slots}, start >= 0, length > 0")
         if s.parents is not None:
-            ok = len(s.parents) == s.length and s.parents[0] == -1
-            if not ok or any(not 0 <= p < i for i, p in enumerate(s.parents) if i):
-                raise ValueError(f"bad tree segment {s}: parents[0] must be -1 and each parent an earlier node")
+            ok = len(s.parents) == len(s.past) + s.length and s.parents[0] == -1
+            if not ok or any(not -1 <= p < i for i, p in enumerate(s.parents)):
+                raise ValueError(
+                    f"bad tree segment {s}: one parent per node (past ones first), parents[0] = -1, "
+                    "each parent -1 (a root) or an earlier node"
+                )
             if not deferred:
                 raise ValueError(f"a tree segment's writes must be deferred (pending=[]): {s}")
         if s.start + s.length > cache.capacity:

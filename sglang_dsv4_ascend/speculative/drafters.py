@@ -16,6 +16,7 @@ import torch
 
 from .. import settings
 from ..batch import Segment
+from ..kvcache import plan as kv_plan
 from ..kvcache.prefix_state import boundaries_of
 from .accept import sampled_temperature
 from .engine import Drafts
@@ -117,10 +118,67 @@ class NextNDrafter:
         return self.draft_cache.slot_tensors() + [self.root_logits, self.root_streams]
 
     def draft(self, slots, starts, bonus, histories=None, sampling=None):
-        w, root_streams = self.w, self.root_streams
+        w = self.w
         builders = [TreeBuilder(b, w.topk) for b in bonus]
         probs0 = torch.softmax(self.root_logits[torch.tensor(slots, device=w.device)], dim=-1)
         leaves = [bld.step(probs0[i : i + 1]) for i, bld in enumerate(builders)]
+        # incremental unless the steps are captured (a bucket holds paths) or paths are asked for
+        if getattr(w, "draft_graphs", None) is not None or not getattr(w, "node_once", True):
+            self._paths(slots, starts, builders, leaves)
+        else:
+            self._frontiers(slots, starts, builders, leaves)
+        return [bld.finish(w.num_draft_tokens)[0] for bld in builders]
+
+    def _frontiers(self, slots, starts, builders, leaves):
+        """Steps 2.. computing only each step's new leaves: one tree segment per request whose
+        earlier candidates (the leaves' ancestors) are past nodes keyed from the rows earlier
+        steps computed (Segment.past, plan.past_kv), so each candidate is computed once."""
+        w, dev = self.w, self.w.device
+        streams = [{} for _ in slots]  # per request: candidate id -> the draft's output streams at it
+        past_kv, past_row = None, [{} for _ in slots]  # candidate -> its key row in past_kv
+        for _ in range(1, w.num_steps):
+            segs, ids, states = [], [], []
+            for i, (slot, L, bld) in enumerate(zip(slots, starts, builders)):
+                new = leaves[i]
+                old = sorted({a for c in new for a in bld.cands_of(c)[:-1]})  # ids: parents first
+                node = {c: k for k, c in enumerate(old + new)}
+                parents = tuple(node.get(bld._parents[c], -1) for c in old + new)
+                segs.append(Segment(slot, L, len(new), parents, tuple(past_row[i][c] for c in old)))
+                for c in new:
+                    ids.append(bld._tokens[c])
+                    p = bld._parents[c]
+                    states.append(self.root_streams[slot] if p < 0 else streams[i][p])
+            plan = kv_plan.build_plan(segs, self.draft_cache, device=dev)
+            if past_kv is not None:
+                plan.past_kv = {0: past_kv}
+            pending = []
+            positions = torch.cat([s.start + torch.tensor(s.depths()) for s in segs]).to(dev)
+            hidden, out = w.model.nextn.step(
+                torch.tensor(ids, device=dev),
+                torch.stack(states),
+                positions,
+                segs,
+                self.draft_cache,
+                w.model.model.embed,
+                pending=pending,
+                plan=plan,
+            )
+            kv = pending[0].swa
+            base = 0 if past_kv is None else past_kv.shape[0]
+            past_kv = kv if past_kv is None else torch.cat([past_kv, kv])
+            probs = torch.softmax(w.model.model.compute_logits(hidden), dim=-1)
+            row, first = 0, []
+            for i, new in enumerate(leaves):
+                first.append(row)
+                for c in new:
+                    streams[i][c], past_row[i][c] = out[row], base + row
+                    row += 1
+            first.append(row)
+            leaves = [bld.step(probs[first[i] : first[i + 1]]) for i, bld in enumerate(builders)]
+
+    def _paths(self, slots, starts, builders, leaves):
+        """Steps 2.. path by path: one segment per current leaf over its whole candidate path."""
+        w, root_streams = self.w, self.root_streams
         streams = [{} for _ in slots]  # per request: candidate id -> the draft's output streams at it
         for _ in range(1, w.num_steps):
             segs, ids, states, last, owner = [], [], [], [], []
@@ -140,7 +198,6 @@ class NextNDrafter:
                 streams[i][c] = out[last[k]]
                 by_req[i].append(k)
             leaves = [bld.step(probs[by_req[i]]) for i, bld in enumerate(builders)]
-        return [bld.finish(w.num_draft_tokens)[0] for bld in builders]
 
 
 class DSparkDrafter:

@@ -6,8 +6,10 @@ b (the last sample, at position L, in no cache yet):
 
 1. draft: the draft state left by the last draft extend (logits and output streams of its row
    L-1, which read (b, target streams at L-1)) gives the root's children; each further step runs
-   the NextN block over every current leaf's path (one segment per leaf at start L, writes
-   discarded) and extends the tree (tree.TreeBuilder, SGLang's EAGLE scheme);
+   the NextN block over the current leaves only (one tree segment per request at start L whose
+   earlier candidates are past nodes keyed from the rows earlier steps computed, writes
+   discarded; path by path, one segment per leaf, when the steps are captured) and extends the
+   tree (tree.TreeBuilder, SGLang's EAGLE scheme);
 2. verify: the target runs one segment per request, writes deferred; a tree's segment carries
    its parents (`Segment.parents`, kvcache/plan.py), so each node is one row at L + depth that
    sees exactly the committed history and its own ancestors: its SWA window along its path, the

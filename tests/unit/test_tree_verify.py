@@ -317,3 +317,58 @@ def test_engine_rounds_node_once_equal_path_by_path_with_fewer_rows(dsv4_model, 
         runs[node_once] = got, rows
     assert runs[True][0] == runs[False][0]
     assert all(a < b for a, b in zip(runs[True][1], runs[False][1])), (runs[True][1], runs[False][1])
+
+
+def _draft_trees(model, nextn, prompts, node_once, rounds=3):
+    """NextN trees (topk 4, 4 steps, 12 tokens) drafted for `prompts` over `rounds` engine rounds."""
+    import types
+
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+    from sglang_dsv4_ascend.speculative.engine import SpecEngine
+
+    host = types.SimpleNamespace(model=model, nextn=nextn, cfg=model.cfg)
+    cache = model.make_cache(len(prompts), 320, 12)
+    eng = SpecEngine(host, cache, NextNDrafter, torch.Generator(), topk=4, num_steps=4, num_draft_tokens=12)
+    eng.node_once = node_once
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    aux = {}
+    h = model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    got = [[int(t)] for t in model.compute_logits(h[ends]).argmax(-1)]
+    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    lens, trees = [len(p) for p in prompts], []
+    for _ in range(rounds):
+        r = eng.round(list(range(len(prompts))), lens, [g[-1] for g in got], None, None, list(range(len(prompts))))
+        trees.append([(t.tokens, t.parents) for t in r.trees])
+        for s, (e, a) in enumerate(zip(r.emitted, r.accept_lens)):
+            got[s] += e
+            lens[s] += a
+    return trees
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_incremental_draft_steps_draft_the_path_by_path_trees(monkeypatch, broken):
+    """NextN's draft steps computing only each step's new leaves (earlier candidates keyed from the
+    rows earlier steps computed) draft exactly the trees that recomputing every leaf's whole path
+    drafts, round by round (topk 4, 4 steps: candidates sharing ancestors, three requests across
+    the 256 boundary). Broken: a past node keyed from its neighbour's row: caught."""
+    from sglang_dsv4_ascend import TINY_NEXTN_MODEL_PATH
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+    from sglang_dsv4_ascend.models.weights import load_model_from_dir
+
+    model = load_model_from_dir(TINY_NEXTN_MODEL_PATH)  # trained: its attention tells keys apart
+    nextn = load_nextn_from_dir(TINY_NEXTN_MODEL_PATH, model.cfg)
+    prompts = [_ids(n, 40 + n).tolist() for n in (252, 120, 33)]
+    want = _draft_trees(model, nextn, prompts, node_once=False)
+    if broken:
+        real = plan_mod._Tree.pool_rows
+
+        def neighbour(self, T):
+            rows = real(self, T)
+            rows[: self.past] = rows[: self.past].roll(1)
+            return rows
+
+        monkeypatch.setattr(plan_mod._Tree, "pool_rows", neighbour)
+    got = _draft_trees(model, nextn, prompts, node_once=True)
+    assert (got == want) != broken
