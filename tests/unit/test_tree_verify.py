@@ -111,12 +111,9 @@ def _node_errors(model, prompt, got, tree):
     ]
 
 
-@pytest.mark.parametrize("name,nodes", VERIFY)
+@pytest.mark.parametrize("preset,name,nodes", [("flash", *v) for v in VERIFY] + [("pro", "batched", True)])
 @pytest.mark.parametrize("t", range(len(TREES)))
-@pytest.mark.parametrize("preset", ["flash", "pro"])
 def test_tree_node_logits_equal_a_full_forward_over_its_path(dsv4_model, name, nodes, t, preset):
-    if preset == "pro" and not nodes:
-        pytest.skip("path-by-path verify: flash covers it")
     model, prompt = dsv4_model(preset), _ids(L, 12)
     tree = DraftTree(*TREES[t])
     cache = _prefilled(model, prompt)
