@@ -7,7 +7,9 @@ decode speed per configuration, drafter and batch size, as ratios to no-spec mea
 
 Configurations (CONFIGS): chainK = topk 1, K steps, K + 1 draft tokens; tree2 = topk 2, 3 steps, 6
 draft tokens; tree4 = topk 4, 3 steps, 8 draft tokens; tree2paths / tree4paths the same trees
-verified path by path (SGLANG_DSV4_TREE_VERIFY=paths) instead of node-once. "nospec" is always
+verified path by path (SGLANG_DSV4_TREE_VERIFY=paths) instead of node-once; tree2shapes the
+topk-2 tree with each round's shape (tree, chain, no draft) chosen per round
+(SGLANG_DSV4_NEXTN_SHAPE=adaptive, seeded untimed as the server seeds it). "nospec" is always
 run: it is the baseline of the ratios, of the lossless check and of the replay references. Drafters: "nextn" is the
 checkpoint's NextN block (`--model trained`: the shipped trained tiny model's; `random`: random
 weights, acceptance near zero, recorded anyway); "replay" is the
@@ -72,9 +74,12 @@ CONFIGS = {
     "tree4": (4, 3, 8),
     "tree2paths": (2, 3, 6),
     "tree4paths": (4, 3, 8),
+    "tree2shapes": (2, 3, 6),
 }
 # verified path by path (SGLANG_DSV4_TREE_VERIFY=paths), beside the node-once default
 PATHS = ("tree2paths", "tree4paths")
+# the round's shape (tree, chain, no draft) chosen per round (SGLANG_DSV4_NEXTN_SHAPE=adaptive)
+SHAPES = ("tree2shapes",)
 DRAFTERS = ("nextn", "replay")
 
 IN_PROCESS_METRICS = {
@@ -112,7 +117,9 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
     for B in batches:
         ip.nospec(all_prompts[:B], 3, 3, max_len)
         for c in spec_cfgs:
-            ip.spec(all_prompts[:B], CONFIGS[c], drafter_factory("nextn", None), 3, max_len, c not in PATHS)
+            ip.spec(
+                all_prompts[:B], CONFIGS[c], drafter_factory("nextn", None), 3, max_len, c not in PATHS, c in SHAPES
+            )
     log(f"warm-up done ({', '.join(configs)} at batch {batches})")
     results = []
     for B in batches:
@@ -137,7 +144,9 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
         for c in spec_cfgs:
             topk, steps, ndraft = CONFIGS[c]
             for dr in drafters:
-                s = ip.spec(prompts, CONFIGS[c], drafter_factory(dr, replay), new_tokens, max_len, c not in PATHS)
+                s = ip.spec(
+                    prompts, CONFIGS[c], drafter_factory(dr, replay), new_tokens, max_len, c not in PATHS, c in SHAPES
+                )
                 tps = base_tok / s["decode_s"]
                 lossless = all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs))
                 n = s["rounds"]
@@ -161,6 +170,8 @@ def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_toke
                     "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
                     "lossless": lossless,
                 }
+                if c in SHAPES:
+                    row["rounds_by_shape"] = s["shapes"]
                 results.append(row)
                 log(
                     f"batch {B} {c} {dr}: accept {row['mean_accept_length']}, {row['tok_s']} tok/s "
@@ -291,6 +302,7 @@ def run_server(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: 
                 else {settings.TEST_DRAFTER.name: ""}
             )
             env[settings.TREE_VERIFY.name] = "paths" if c in PATHS else "nodes"
+            env[settings.NEXTN_SHAPE.name] = "adaptive" if c in SHAPES else "static"
             srv, startup = serve(args, env)
             try:
                 for B in batches:

@@ -98,7 +98,11 @@ class InProcess:
         return {"outputs": outs, "decode_s": decode_s, "steps": new_tokens - 1}
 
     @torch.no_grad()
-    def spec(self, prompts, shape, drafter_factory, new_tokens: int, max_len: int, node_once: bool = True) -> dict:
+    def spec(
+        self, prompts, shape, drafter_factory, new_tokens: int, max_len: int, node_once: bool = True, shapes=False
+    ) -> dict:
+        """`shapes`: each round's shape (tree, chain, no draft) chosen by speculative/shapes.py,
+        seeded as the server's worker seeds it (untimed)."""
         from ..speculative.engine import NextNEngine
 
         topk, steps, ndraft = shape
@@ -106,6 +110,16 @@ class InProcess:
         cache = self.trunk.make_cache(B, max_len, ndraft)
         eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
         eng.node_once = node_once  # trees: each node once, or each root-to-leaf path (engine.verify_segments)
+        if shapes:
+            from ..speculative.planner import measure_cost
+            from ..speculative.shapes import ShapePlanner, measure_drafts
+
+            planner = ShapePlanner(topk, steps, ndraft)
+            ks = sorted({int(planner.rows[s]) for s in planner.shapes})
+            seed = measure_cost(self.trunk, cache, ks[-1] - 1, max_requests=min(B, 16), ks=ks)
+            planner.seed(seed, measure_drafts(eng, planner, min(B, 16)))
+            eng.shapes = planner
+        shapes_taken = {}
         segs, last, first, aux = self._prefill(cache, prompts)
         shifted = [t for p, f in zip(prompts, first) for t in p[1:] + [f]]
         eng.extend(segs, torch.tensor(shifted), aux, None, list(enumerate(last)))
@@ -127,6 +141,8 @@ class InProcess:
                 [prompts[b] + outs[b] for b in active],
             )
             rounds += 1
+            if "shape" in r.plan:
+                shapes_taken[r.plan["shape"]] = shapes_taken.get(r.plan["shape"], 0) + 1
             for k in timings:
                 timings[k] += r.timings[k]
             rows += [r.plan["verify_rows"] / len(active)] * len(active)  # what the engine ran
@@ -147,6 +163,7 @@ class InProcess:
             "verified": verified,
             "rows": rows,
             "timings": timings,
+            "shapes": shapes_taken,
         }
 
 

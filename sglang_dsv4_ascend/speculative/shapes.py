@@ -10,12 +10,15 @@ For R requests, a round of shape s costs
 t the round without its draft stage (cost.RoundCost over requests and verified rows, seeded at
 startup by planner.measure_cost, refined online by cost.OnlineCost; under a captured verify priced
 at the bucket's rows, cost.Padded), m_s the rows a request verifies in shape s (1 for plain,
-steps + 1 for the chain, the tree's sum of path lengths: learned from the rounds), d_s the draft
+steps + 1 for the chain, the tree's nodes: learned from the rounds), d_s the draft
 stage's seconds (0 for plain; per shape, by batch size, the median of its last rounds, seeded at
 startup). The round emits R * (1 + a_s) tokens, a_s the mean accepted drafts per request of the
 shape's recent rounds (an exponential average). The round takes the shape of most tokens per
 second; a shape not taken for `explore` rounds is taken once, so its figures stay current, and
-each speculative shape is taken once before any choice (its acceptance is unknown until then).
+each speculative shape is taken `first` times, in turn, before any choice: its acceptance is
+unknown until then, and one round of one request is too noisy a figure (a tree whose first round
+accepted nothing was priced at no acceptance and left for `explore` rounds: measured, the chain
+ran 21 of 22 rounds at one request where the tree emits 15 % more).
 
 Lossless: the shape is fixed from finished rounds' timings and acceptances before this round
 drafts; given its shape a round is an ordinary NextN round (accept.py), so the choice can depend on
@@ -38,11 +41,13 @@ SHAPES = ("plain", "chain", "tree")
 
 
 class ShapePlanner:
-    def __init__(self, topk: int, steps: int, draft_tokens: int, explore: int = 32, every: int = 16, agree=None):
+    def __init__(
+        self, topk: int, steps: int, draft_tokens: int, explore: int = 32, every: int = 16, agree=None, first: int = 4
+    ):
         self.geometry = {"plain": (1, 1), "chain": (1, steps + 1), "tree": (topk, draft_tokens)}
         self.shapes = [s for s in SHAPES if s != "tree" or topk > 1]
         self.configured = "tree" if topk > 1 else "chain"
-        self.explore, self.every, self.agree = explore, every, agree
+        self.explore, self.every, self.agree, self.first = explore, every, agree, first
         # unknown until a round of the shape is seen (the first rounds take each shape once); the
         # tree verifies each node once (engine.verify_segments), rows learned from the rounds
         self.accepted = {"plain": 0.0, "chain": None, "tree": None}
@@ -74,7 +79,9 @@ class ShapePlanner:
     def choose(self, R: int) -> str:
         if self.online is None:
             return self.configured
-        unseen = [s for s in self.shapes if self.accepted[s] is None]
+        unseen = sorted(  # in turn, the fewest seen first
+            (s for s in self.shapes if s != "plain" and self.seen[s] < self.first), key=lambda s: self.seen[s]
+        )
         tps = {s: R * (1.0 + (self.accepted[s] or 0.0)) / max(1e-9, self.predict(s, R)) for s in self.shapes}
         best = max(self.shapes, key=lambda s: (tps[s], s != "plain"))  # ties: speculate
         stale = unseen or [s for s in self.shapes if s != best and self.since[s] + 1 >= self.explore]

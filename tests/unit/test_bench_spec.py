@@ -22,7 +22,7 @@ ARGS = [
     "--batch",
     "1,2",
     "--configs",
-    "nospec,chain2,tree2,tree2paths",
+    "nospec,chain2,tree2,tree2paths,tree2shapes",
     "--new-tokens",
     "6",
     "--prompt-len",
@@ -50,13 +50,19 @@ def test_layout(report):
         "chain2": {"topk": 1, "steps": 2, "draft_tokens": 3},
         "tree2": {"topk": 2, "steps": 3, "draft_tokens": 6},
         "tree2paths": {"topk": 2, "steps": 3, "draft_tokens": 6},
+        "tree2shapes": {"topk": 2, "steps": 3, "draft_tokens": 6},
     }
     assert cfg["batch"] == [1, 2] and cfg["new_tokens"] == 6 and cfg["prompt_len"] == 24
     # every (config, drafter, batch) once, no-spec once per batch
     keys = sorted((r["config"], str(r["drafter"]), r["batch"]) for r in report["results"])
     want = sorted(
         [("nospec", "None", b) for b in (1, 2)]
-        + [(c, d, b) for c in ("chain2", "tree2", "tree2paths") for d in ("nextn", "replay") for b in (1, 2)]
+        + [
+            (c, d, b)
+            for c in ("chain2", "tree2", "tree2paths", "tree2shapes")
+            for d in ("nextn", "replay")
+            for b in (1, 2)
+        ]
     )
     assert keys == want
 
@@ -76,6 +82,10 @@ def test_spec_is_lossless_and_well_formed(report):
         # accept length (bonus included) = 1 + sum over depths of the rate of reaching it
         assert r["mean_accept_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
         assert 1.0 <= r["mean_accept_length"] <= shape["steps"] + 1
+        if r["config"].endswith("shapes"):  # rounds of each shape: the first ones take the tree and the chain
+            assert sum(r["rounds_by_shape"].values()) == r["rounds"] and r["rounds_by_shape"]["tree"] >= 1
+            assert r["target_rows_per_round"] == r["verified_tokens_per_round"] <= shape["draft_tokens"]
+            continue
         assert r["verified_tokens_per_round"] == shape["draft_tokens"]
         # the rows the engine ran: a node each (chains, node-once trees), or a branching tree path by path
         if r["config"].endswith("paths"):

@@ -34,6 +34,7 @@ def _planner(per_row, chain_draft=0.002, tree_draft=0.004, accepted=(1.5, 2.2), 
         _surface(per_row), {"chain": [(1, chain_draft), (16, chain_draft)], "tree": [(1, tree_draft), (16, tree_draft)]}
     )
     pl.accepted["chain"], pl.accepted["tree"] = accepted
+    pl.seen.update(chain=pl.first, tree=pl.first)  # the figures above stand for rounds seen
     pl.rows["tree"] = rows_tree
     return pl
 
@@ -62,15 +63,33 @@ def test_shapes_not_taken_are_explored():
 
 
 def test_each_speculative_shape_is_seen_before_choosing():
-    """Acceptance is unknown until a shape's round is seen: the first rounds take each once."""
-    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS)
+    """Acceptance is unknown until a shape's rounds are seen: the first rounds take each in turn."""
+    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS, first=1)
     pl.seed(_surface(0.0), {"chain": [(1, 0.002)], "tree": [(1, 0.004)]})
     assert pl.choose(1) == "chain"
     pl.learn("chain", 1, 4, [3], 0.02, 0.002)
     assert pl.choose(1) == "tree"
-    pl.learn("tree", 1, 9, [1], 0.03, 0.004)
+    pl.learn("tree", 1, 6, [1], 0.03, 0.004)
     assert pl.accepted == {"plain": 0.0, "chain": 2.0, "tree": 0.0}
     assert pl.choose(1) == "chain"
+
+
+@pytest.mark.parametrize("first", [4, 1])
+def test_one_unlucky_first_round_does_not_lock_the_tree_out(first):
+    """At one request (rows nearly free) a tree whose first round accepted nothing but whose rounds
+    accept 2 drafts on average against the chain's 1.5: after `first` rounds of each in turn the
+    tree is chosen. Taking each shape once (the broken variant, as the planner did) prices the tree
+    at its first round's zero and runs the chain until the next exploration: caught."""
+    pl = S.ShapePlanner(TOPK, STEPS, DRAFT_TOKENS, first=first)
+    pl.seed(_surface(0.0), {"chain": [(1, 0.002)], "tree": [(1, 0.002)]})
+    tree, chain = iter([[1], [4], [3], [4]]), iter([[3], [2], [2], [3]])
+    picks = []
+    for _ in range(2 * first):
+        shape = pl.choose(1)
+        picks.append(shape)
+        pl.learn(shape, 1, 6 if shape == "tree" else 4, next(tree if shape == "tree" else chain), 0.02, 0.002)
+    assert sorted(picks) == ["chain"] * first + ["tree"] * first and picks[:2] == ["chain", "tree"]
+    assert (pl.choose(1) == "tree") == (first == 4)
 
 
 def test_rounds_teach_acceptance_rows_and_draft_times():
