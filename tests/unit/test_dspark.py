@@ -176,23 +176,18 @@ def _binned_chi2(samples: torch.Tensor, p: torch.Tensor, nbins: int = 20) -> tup
     return float(((counts - expected)[ok] ** 2 / expected[ok]).sum()), int(ok.sum()) - 1
 
 
-def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
-    """The drafter's sampled draft 1 is distributed as the q it reports (chi-square over 20 bins
-    of equal q mass), and greedy drafts are the argmax of z = U + Markov bias. The 1500 samples
-    come from 30 draft calls over 50 slots holding the same prompt: every row reports the same q,
-    and each row draws its own."""
+def _prefilled_drafter(trunk, draft, n: int, gamma: int, generator):
+    """A DSpark drafter over n slots that all hold the same 27-token prompt: (drafter, L)."""
     from sglang_dsv4_ascend.batch import Segment
     from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
 
-    trunk, draft = tiny
-    n, calls = 50, 30
     cache = trunk.make_cache(n, 128, 8)
     eng = types.SimpleNamespace(
         model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg),
         cache=cache,
         device=torch.device("cpu"),
-        gamma=3,
-        generator=torch.Generator().manual_seed(1),
+        gamma=gamma,
+        generator=generator,
     )
     dr = DSparkDrafter(eng)
     prompt = list(range(3, 30))
@@ -201,6 +196,18 @@ def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
     aux = {"layer_ids": dr.layer_ids}
     trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
     dr.extend(segs, None, aux, None, [])
+    return dr, L
+
+
+def test_markov_draws_follow_q_and_greedy_is_argmax(tiny):
+    """The drafter's sampled draft 1 is distributed as the q it reports (chi-square over 20 bins
+    of equal q mass), and greedy drafts are the argmax of z = U + Markov bias. The 1500 samples
+    come from 30 draft calls over 50 slots holding the same prompt: every row reports the same q,
+    and each row draws its own."""
+
+    trunk, draft = tiny
+    n, calls = 50, 30
+    dr, L = _prefilled_drafter(trunk, draft, n, 3, torch.Generator().manual_seed(1))
     slots, starts, anchors = list(range(n)), [L] * n, [5] * n
     g = dr.draft(slots, starts, anchors, None, None)
     U, _ = draft.block(dr.ctx, [0], [L], torch.tensor([5]), 3, trunk.embed, trunk.compute_logits)
@@ -459,30 +466,14 @@ def test_every_draft_position_follows_the_markov_head(tiny, monkeypatch, broken)
     drafts report q_k = softmax(z_k / T) for their own x_{k-1}, and positions 2 and 3 are drawn from
     it (randomized probability integral transform: uniform over 20 bins, chi-square, 1200 draws
     each from 40 rows that report different q's). A loop conditioned on x_{k-2}: caught."""
-    from sglang_dsv4_ascend.batch import Segment
     from sglang_dsv4_ascend.models.dspark import DSparkDraft
-    from sglang_dsv4_ascend.speculative.drafters import DSparkDrafter
 
     if broken:
         monkeypatch.setattr(DSparkDraft, "markov_chain", _lagged_markov_chain)
     trunk, draft = tiny
     n, gamma, T = 40, 3, 3.0
-    cache = trunk.make_cache(n, 128, 8)
     gen = torch.Generator().manual_seed(2)
-    eng = types.SimpleNamespace(
-        model=types.SimpleNamespace(model=trunk, dspark=draft, cfg=trunk.cfg),
-        cache=cache,
-        device=torch.device("cpu"),
-        gamma=gamma,
-        generator=gen,
-    )
-    dr = DSparkDrafter(eng)
-    prompt = list(range(3, 30))
-    L = len(prompt)
-    segs = [Segment(s, 0, L) for s in range(n)]
-    aux = {"layer_ids": dr.layer_ids}
-    trunk(torch.tensor(prompt * n), torch.arange(L).repeat(n), segs, cache, aux=aux)
-    dr.extend(segs, None, aux, None, [])
+    dr, L = _prefilled_drafter(trunk, draft, n, gamma, gen)
     slots, anchors = list(range(n)), [(7 * s) % 50 + 1 for s in range(n)]  # a different q per row
     U, h = draft.block(dr.ctx, slots, [L] * n, torch.tensor(anchors), gamma, trunk.embed, trunk.compute_logits)
     head = draft.mtp[-1].markov_head

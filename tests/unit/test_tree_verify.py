@@ -272,60 +272,19 @@ def test_tree_shapes_the_worker_cannot_serve_name_the_flag(steps, topk, n, flag)
     check_tree_shape(3, 4, 8)
 
 
-def test_engine_rounds_node_once_equal_path_by_path_with_fewer_rows(dsv4_model, tiny_ckpt):
-    """Whole NextN tree rounds (topk 4, real drafts, three requests crossing the 256 boundary),
-    node-once against path by path: the same tokens every round, and the verify runs the trees'
-    nodes only (fewer rows than the sum over leaves of depth + 1 whenever a tree branches)."""
-    import types
-
-    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
-    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
-    from sglang_dsv4_ascend.speculative.engine import SpecEngine
-
-    model = dsv4_model("flash")
-    nextn = load_nextn_from_dir(tiny_ckpt("flash"), model.cfg)
-    prompts = [_ids(n, 20 + n).tolist() for n in (250, 120, 33)]
-    runs = {}
-    for node_once in (True, False):
-        host = types.SimpleNamespace(model=model, nextn=nextn, cfg=model.cfg)
-        cache = model.make_cache(len(prompts), 320, 8)
-        eng = SpecEngine(host, cache, NextNDrafter, torch.Generator(), topk=4, num_steps=3, num_draft_tokens=8)
-        eng.node_once = node_once
-        segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
-        aux = {}
-        h = model(
-            torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux
-        )
-        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-        got = [[int(t)] for t in model.compute_logits(h[ends]).argmax(-1)]
-        shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-        eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
-        lens, rows = [len(p) for p in prompts], []
-        for _ in range(4):
-            r = eng.round([0, 1, 2], lens, [g[-1] for g in got], None, None, [0, 1, 2])
-            for s, (e, a) in enumerate(zip(r.emitted, r.accept_lens)):
-                got[s] += e
-                lens[s] += a
-            want = (
-                [t.n for t in r.trees] if node_once else [sum(t.depth()[lf] + 1 for lf in t.leaves()) for t in r.trees]
-            )
-            assert r.plan["verify_rows"] == sum(want)
-            rows.append(r.plan["verify_rows"])
-        runs[node_once] = got, rows
-    assert runs[True][0] == runs[False][0]
-    assert all(a < b for a, b in zip(runs[True][1], runs[False][1])), (runs[True][1], runs[False][1])
-
-
-def _draft_trees(model, nextn, prompts, node_once, rounds=3):
-    """NextN trees (topk 4, 4 steps, 12 tokens) drafted for `prompts` over `rounds` engine rounds."""
+def _nextn_rounds(model, nextn, prompts, node_once, topk, steps, draft_tokens, rounds):
+    """NextN engine rounds over `prompts` (real drafts, greedy): per round the drafted trees and
+    the rows the verify ran, and each request's tokens."""
     import types
 
     from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
     from sglang_dsv4_ascend.speculative.engine import SpecEngine
 
     host = types.SimpleNamespace(model=model, nextn=nextn, cfg=model.cfg)
-    cache = model.make_cache(len(prompts), 320, 12)
-    eng = SpecEngine(host, cache, NextNDrafter, torch.Generator(), topk=4, num_steps=4, num_draft_tokens=12)
+    cache = model.make_cache(len(prompts), 320, draft_tokens)
+    eng = SpecEngine(
+        host, cache, NextNDrafter, torch.Generator(), topk=topk, num_steps=steps, num_draft_tokens=draft_tokens
+    )
     eng.node_once = node_once
     segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
     aux = {}
@@ -334,14 +293,35 @@ def _draft_trees(model, nextn, prompts, node_once, rounds=3):
     got = [[int(t)] for t in model.compute_logits(h[ends]).argmax(-1)]
     shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
     eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
-    lens, trees = [len(p) for p in prompts], []
+    lens, trees, rows = [len(p) for p in prompts], [], []
+    live = list(range(len(prompts)))
     for _ in range(rounds):
-        r = eng.round(list(range(len(prompts))), lens, [g[-1] for g in got], None, None, list(range(len(prompts))))
-        trees.append([(t.tokens, t.parents) for t in r.trees])
+        r = eng.round(live, lens, [g[-1] for g in got], None, None, live)
+        trees.append(r.trees)
+        rows.append(r.plan["verify_rows"])
         for s, (e, a) in enumerate(zip(r.emitted, r.accept_lens)):
             got[s] += e
             lens[s] += a
-    return trees
+    return trees, rows, got
+
+
+def test_engine_rounds_node_once_equal_path_by_path_with_fewer_rows(dsv4_model, tiny_ckpt):
+    """Whole NextN tree rounds (topk 4, real drafts, three requests crossing the 256 boundary),
+    node-once against path by path: the same tokens every round, and the verify runs the trees'
+    nodes only (fewer rows than the sum over leaves of depth + 1 whenever a tree branches)."""
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+
+    model = dsv4_model("flash")
+    nextn = load_nextn_from_dir(tiny_ckpt("flash"), model.cfg)
+    prompts = [_ids(n, 20 + n).tolist() for n in (250, 120, 33)]
+    nodes = _nextn_rounds(model, nextn, prompts, True, 4, 3, 8, 4)
+    paths = _nextn_rounds(model, nextn, prompts, False, 4, 3, 8, 4)
+    assert nodes[2] == paths[2]
+    for trees, rows in zip(nodes[0], nodes[1]):
+        assert rows == sum(t.n for t in trees)
+    for trees, rows in zip(paths[0], paths[1]):
+        assert rows == sum(sum(t.depth()[lf] + 1 for lf in t.leaves()) for t in trees)
+    assert all(a < b for a, b in zip(nodes[1], paths[1])), (nodes[1], paths[1])
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -357,7 +337,7 @@ def test_incremental_draft_steps_draft_the_path_by_path_trees(monkeypatch, broke
     model = load_model_from_dir(TINY_NEXTN_MODEL_PATH)  # trained: its attention tells keys apart
     nextn = load_nextn_from_dir(TINY_NEXTN_MODEL_PATH, model.cfg)
     prompts = [_ids(n, 40 + n).tolist() for n in (252, 120, 33)]
-    want = _draft_trees(model, nextn, prompts, node_once=False)
+    want = _nextn_rounds(model, nextn, prompts, False, 4, 4, 12, 3)[0]
     if broken:
         real = plan_mod._Tree.pool_rows
 
@@ -367,5 +347,5 @@ def test_incremental_draft_steps_draft_the_path_by_path_trees(monkeypatch, broke
             return rows
 
         monkeypatch.setattr(plan_mod._Tree, "pool_rows", neighbour)
-    got = _draft_trees(model, nextn, prompts, node_once=True)
+    got = _nextn_rounds(model, nextn, prompts, True, 4, 4, 12, 3)[0]
     assert (got == want) != broken
