@@ -111,13 +111,10 @@ class InProcess:
         eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
         eng.node_once = node_once  # trees: each node once, or each root-to-leaf path (engine.verify_segments)
         if shapes:
-            from ..speculative.planner import measure_cost
-            from ..speculative.shapes import ShapePlanner, measure_drafts
+            from ..speculative.shapes import ShapePlanner, measure
 
             planner = ShapePlanner(topk, steps, ndraft)
-            ks = sorted({int(planner.rows[s]) for s in planner.shapes})
-            seed = measure_cost(self.trunk, cache, ks[-1] - 1, max_requests=min(B, 16), ks=ks)
-            planner.seed(seed, measure_drafts(eng, planner, min(B, 16)))
+            planner.seed(*measure(eng, planner, min(B, 16)))
             eng.shapes = planner
         shapes_taken = {}
         segs, last, first, aux = self._prefill(cache, prompts)

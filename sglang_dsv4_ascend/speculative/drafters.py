@@ -142,11 +142,11 @@ class NextNDrafter:
                 new = leaves[i]
                 old = sorted({a for c in new for a in bld.cands_of(c)[:-1]})  # ids: parents first
                 node = {c: k for k, c in enumerate(old + new)}
-                parents = tuple(node.get(bld._parents[c], -1) for c in old + new)
+                parents = tuple(node.get(bld.parent_of(c), -1) for c in old + new)
                 segs.append(Segment(slot, L, len(new), parents, tuple(past_row[i][c] for c in old)))
                 for c in new:
-                    ids.append(bld._tokens[c])
-                    p = bld._parents[c]
+                    ids.append(bld.token_of(c))
+                    p = bld.parent_of(c)
                     states.append(self.root_streams[slot] if p < 0 else streams[i][p])
             plan = kv_plan.build_plan(segs, self.draft_cache, device=dev)
             if past_kv is not None:

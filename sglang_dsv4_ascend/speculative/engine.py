@@ -165,11 +165,15 @@ class SpecEngine:
             trunk, dev = self.model.model, self.device
             # a captured verify takes chains only: a tree round it holds path by path runs
             # captured, any other node-once and eager
-            paths = self.graphs is not None and any(t.n > 1 + max(t.depth()) for t in trees)
-            if paths:
-                paths = self.graphs.bucket_for(verify_segments(slots, starts, trees, node_once=False)[0]) is not None
-            node_once = self.node_once and trunk.attention_impl == "batched" and not paths
-            segs, seg_first, ids, pos, node_rows, leaf_seg = verify_segments(slots, starts, trees, node_once)
+            layout = None
+            if self.graphs is not None and any(t.n > 1 + max(t.depth()) for t in trees):
+                layout = verify_segments(slots, starts, trees, node_once=False)
+                if self.graphs.bucket_for(layout[0]) is None:
+                    layout = None
+            if layout is None:
+                node_once = self.node_once and trunk.attention_impl == "batched"
+                layout = verify_segments(slots, starts, trees, node_once)
+            segs, seg_first, ids, pos, node_rows, leaf_seg = layout
             pending, aux = [], {"layer_ids": getattr(self.drafter, "layer_ids", ())}
             ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
             hidden = None if self.graphs is None else self.graphs.run(segs, ids_t, pos_t, pending, aux)

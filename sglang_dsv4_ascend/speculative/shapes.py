@@ -35,7 +35,7 @@ from collections import deque
 import torch
 
 from .cost import OnlineCost, Padded, interp
-from .planner import batch_sizes, best_of
+from .planner import batch_sizes, best_of, measure_cost
 
 SHAPES = ("plain", "chain", "tree")
 
@@ -126,6 +126,23 @@ class ShapePlanner:
                 for s in self.shapes
             }
             self.table = table if self.agree is None else self.agree(table)
+
+
+def measure(engine, planner: ShapePlanner, max_requests: int, agree=None) -> tuple:
+    """(round cost seed, draft table) for `planner.seed` on this machine: the round without its
+    draft timed at each shape's rows per request (planner.measure_cost, through the engine's
+    captured verify if any; `agree` as there), and each shape's draft stage (`measure_drafts`)."""
+    ks = sorted({int(planner.rows[s]) for s in planner.shapes})
+    seed = measure_cost(
+        engine.model.model,
+        engine.cache,
+        ks[-1] - 1,
+        max_requests=max_requests,
+        agree=agree,
+        graphs=engine.graphs,
+        ks=ks,
+    )
+    return seed, measure_drafts(engine, planner, max_requests)
 
 
 @torch.no_grad()

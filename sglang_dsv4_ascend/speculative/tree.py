@@ -208,6 +208,13 @@ class TreeBuilder:
             raise IndexError(f"candidate {cand} not recorded ({self.num_candidates} so far)")
         return _root_path(self._parents, cand)
 
+    def parent_of(self, cand: int) -> int:
+        """The candidate cand was drafted from, -1 for the root's children (depth 1)."""
+        return self._parents[cand]
+
+    def token_of(self, cand: int) -> int:
+        return self._tokens[cand]
+
     def tokens_of(self, cand: int) -> list[int]:
         """Token path from depth 1 down to cand (root excluded): the drafter's new context."""
         return [self._tokens[c] for c in self.cands_of(cand)]

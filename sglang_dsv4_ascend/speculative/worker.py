@@ -30,7 +30,8 @@ from . import cost as cost_surface
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
 from .planner import Planner, measure_cost, verify_mode
-from .shapes import ShapePlanner, measure_drafts
+from .shapes import ShapePlanner
+from .shapes import measure as measure_shapes
 from .stats import StageStats
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -234,18 +235,7 @@ class DSV4SpecWorker(BaseSpecWorker):
         without its draft over the rows a tree verifies, and each shape's draft stage."""
         eng = self.engine
         planner = ShapePlanner(self.topk, self.num_steps, self.num_draft_tokens, agree=self.decisions.broadcast)
-        max_requests = min(self.cache.num_slots, 16)
-        ks = sorted({int(planner.rows[s]) for s in planner.shapes})  # each shape's rows per request
-        seed = measure_cost(
-            self.model.model,
-            self.cache,
-            ks[-1] - 1,
-            max_requests=max_requests,
-            agree=self.sync.any,
-            graphs=eng.graphs,
-            ks=ks,
-        )
-        drafts = measure_drafts(eng, planner, max_requests)
+        seed, drafts = measure_shapes(eng, planner, min(self.cache.num_slots, 16), agree=self.sync.any)
         seed, drafts = self.sync.broadcast((seed, drafts))  # timings differ per rank; rank 0's for all
         planner.seed(seed, drafts)
         if eng.graphs is not None:
