@@ -85,6 +85,30 @@ def inductor_without_freezing() -> None:
     inductor_config.freezing = False
 
 
+def capture_meter():
+    """Start measuring one capture; the function returned gives its log figures: the seconds, the
+    memory it added (memory_mib) and, when inductor compiled, its FX graph cache hits and misses
+    during the capture. A miss is a compilation (minutes per graph on a 2-core CPU), a hit a load
+    from the cache in TORCHINDUCTOR_CACHE_DIR (/tmp/torchinductor_$USER unless set; seconds), so
+    the log says why a startup was slow and whether the cache it could reuse was there."""
+    import time
+
+    tic, mem, cache = time.perf_counter(), memory_mib(), _inductor_cache_counts()
+
+    def spent() -> str:
+        hit, miss = (now - then for now, then in zip(_inductor_cache_counts(), cache))
+        text = f"{time.perf_counter() - tic:.1f} s, {memory_mib() - mem:+.1f} MiB"
+        return text + (f", inductor cache: {hit} hit, {miss} missed" if hit or miss else "")
+
+    return spent
+
+
+def _inductor_cache_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
 def memory_mib() -> float:
     """Memory this process holds where its tensors live, in MiB, for capture logs: on CPU the
     resident set (/proc/self/statm; the peak, from getrusage, where there is no /proc); on CUDA

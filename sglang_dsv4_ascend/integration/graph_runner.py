@@ -12,12 +12,11 @@ kvcache/plan.py PlanBuffers), and a forward that reads only that plan's tensors.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .. import settings
-from ..device import inductor_without_freezing, memory_mib
+from ..device import capture_meter, inductor_without_freezing
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 _CLS = None
@@ -36,16 +35,10 @@ def cpu_graph_runner_cls():
                     forward = torch.compile(
                         torch.no_grad()(self.model_runner.model.forward), dynamic=False, backend=compiler
                     )
-                tic = time.perf_counter()
-                mem = memory_mib()
+                spent = capture_meter()
                 out = super().capture_one_batch_size(bs, forward, skip_cross_attention)
-                logger.info(
-                    "dsv4_ascend: decode batch size %d captured (torch.compile, %s) in %.1f s, %+.1f MiB",
-                    bs,
-                    compiler,
-                    time.perf_counter() - tic,
-                    memory_mib() - mem,
-                )
+                msg = "dsv4_ascend: decode batch size %d captured (torch.compile, %s) in %s"
+                logger.info(msg, bs, compiler, spent())
                 return out
 
         _CLS = DSV4CPUGraphRunner

@@ -22,11 +22,10 @@ fits no bucket runs eager. A NextN draft step is the same kind of forward on the
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from ..device import memory_mib
+from ..device import capture_meter
 from ..kvcache import plan as kv_plan
 
 logger = logging.getLogger("sglang_dsv4_ascend")
@@ -65,7 +64,7 @@ class RowGraphs:
     def capture(self, log=logger.info) -> None:
         """Trace every bucket now (startup), on a plan of padding rows only."""
         for i, b in enumerate(self.buckets):
-            tic, mem = time.perf_counter(), memory_mib()
+            spent = capture_meter()
             plan = self.buffers.load([], b)
             # ids and positions distinct tensors, as in a round: aliasing is guarded on too
             ids, pos = (torch.zeros(b.rows, dtype=torch.long, device=self.cache.device) for _ in range(2))
@@ -76,7 +75,7 @@ class RowGraphs:
                 self._forward(ids, pos, plan, [], self._blank(b.rows))
             for _ in range(2):  # a warm-up run, then the one that is kept
                 self.fn(ids, pos, plan, [], self._blank(b.rows))
-            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {_spent(tic, mem)}")
+            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {spent()}")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         if any(s.parents is not None for s in segments):  # node-once trees run eager (plan.py)
@@ -192,13 +191,13 @@ class DraftGraphs:
     @torch.no_grad()
     def capture(self, log=logger.info) -> None:
         for i, n in enumerate(self.sizes):
-            tic, mem = time.perf_counter(), memory_mib()
+            spent = capture_meter()
             bufs = self._load(n, [], [], torch.zeros(0, dtype=torch.long, device=self.cache.rings.device))
             if i == 0:  # an eager run first: what the stages build lazily exists before the trace
                 self._forward(*bufs)
             for _ in range(2):
                 self.fn(*bufs)
-            log(f"dsv4_ascend: DSpark draft block of {n} requests captured in {_spent(tic, mem)}")
+            log(f"dsv4_ascend: DSpark draft block of {n} requests captured in {spent()}")
 
     @torch.no_grad()
     def run(self, slots, starts, anchors: torch.Tensor):
@@ -214,8 +213,3 @@ class DraftGraphs:
         U, h = self.fn(*self._load(n, slots, starts, anchors))
         rows = len(slots) * self.gamma
         return U[:rows].view(len(slots), self.gamma, -1), h[:rows].view(len(slots), self.gamma, -1)
-
-
-def _spent(tic: float, mem: float) -> str:
-    """A capture's time and the memory it added (device.memory_mib: resident on CPU)."""
-    return f"{time.perf_counter() - tic:.1f} s, {memory_mib() - mem:+.1f} MiB"

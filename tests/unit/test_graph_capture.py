@@ -18,6 +18,7 @@ The oracle is the eager, unpadded forward on a twin cache: logits of the real ro
 request's final cache state."""
 
 import bisect
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +151,29 @@ def test_inductor_capture_equals_eager(dsv4_model):
     live = [[1], [1, 2], [3, 2], [4], [2, 5]]  # one captured size, exact and padded
     logits, state, _ = _run(dsv4_model("flash"), "inductor", 10, CONTEXTS, capture=(2,), live=live)
     assert logits < 1e-4 and state < 1e-4
+
+
+def test_capture_log_says_whether_inductor_compiled_or_loaded(tmp_path, monkeypatch):
+    """A capture's log line (device.capture_meter) tells a compilation from a load out of inductor's
+    cache: a cold start spends minutes per graph on this CPU, a warm one seconds. Two functions
+    with the same graph stand for a server started twice (dynamo keeps no state between them);
+    a trace-only compiler says nothing about a cache."""
+    from sglang_dsv4_ascend.device import capture_meter
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    src = "def f(x):\n    return (x.sin() * 2 + 1).sum(-1)\n"
+    lines = []
+    for _ in range(2):
+        scope = {}
+        exec(compile(src, "<capture>", "exec"), scope)  # a new code object: a new dynamo trace
+        spent = capture_meter()
+        torch.compile(scope["f"], dynamic=False, backend="inductor")(torch.randn(4, 8))
+        lines.append(spent())
+    assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB, inductor cache: 0 hit, 1 missed", lines[0]), lines
+    assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB, inductor cache: 1 hit, 0 missed", lines[1]), lines
+    spent = capture_meter()
+    torch.compile(lambda x: x * 3, backend="eager")(torch.randn(3))
+    assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB", spent())
 
 
 def test_a_fresh_plan_at_replay_is_caught(dsv4_model, monkeypatch):
