@@ -317,8 +317,9 @@ def _graph_declarations(server_args) -> dict:
         out["enable_torch_compile"] = False
         logger.info(
             "dsv4_ascend: --enable-torch-compile with speculation on CPU: the target verify is captured by "
-            "the speculative worker per batch size (%s), and so is the DSpark draft block (NextN's draft "
-            "steps run eager); --disable-cuda-graph to run eager",
+            "the speculative worker per batch size (%s), and so is the draft (the DSpark block, NextN's "
+            "steps); each graph is compiled at startup (minutes with inductor's cache cold, seconds warm); "
+            "--disable-cuda-graph to run eager",
             " ".join(map(str, spec_graph_sizes(server_args, cfg.device))),
         )
     elif cfg.device == "cpu" and cfg.enable_torch_compile:
@@ -330,7 +331,8 @@ def _graph_declarations(server_args) -> dict:
             out["cuda_graph_config"] = with_phase(cfg.cuda_graph_config, Phase.DECODE, bs=sizes, max_bs=n)
         logger.info(
             "dsv4_ascend: decode graphs on CPU (torch.compile per batch size: %s; each is compiled at "
-            "startup, minutes each: --cuda-graph-bs-decode to choose them, --disable-cuda-graph to run eager)",
+            "startup, minutes each with inductor's cache cold, seconds warm: --cuda-graph-bs-decode to choose "
+            "them, --disable-cuda-graph to run eager)",
             out["cuda_graph_config"].decode.bs if "cuda_graph_config" in out else "as given",
         )
         return out

@@ -223,6 +223,36 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     }
 
 
+def test_replay_acceptance_under_captured_verify(servers, ckpt, prompts, reference, tmp_path):
+    """Full / partial / zero acceptance on purpose while the speculative worker replays its captured
+    target verify (--enable-torch-compile: buckets of 5 and 20 rows; dynamo's trace as the
+    compiler, as in test_graph_serving.py): one request alone (the 5-row bucket, exact), then four
+    together, whose batches of 2 and 3 as they start and finish are padded into the 20-row bucket.
+    Each round accepts exactly what the replay dictates and the output equals no speculation:
+    padding rows are never committed and never change a decision."""
+    modes = ["full", "partial:2", "zero", "partial:1"]
+    env = {
+        settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts[:4], reference[:4], modes),
+        settings.COMPILE_BACKEND.name: "eager",
+    }
+    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
+    srv = dspark_server(servers, ckpt, "static", *graphs, env=env)
+    alone = srv.generate(prompts[0], N_NEW, ignore_eos=True)
+    outs = _concurrent(srv, prompts[:4])
+    assert [o["output_ids"] for o in [alone] + outs] == reference[:1] + reference[:4]
+    gamma = 4
+    for out, m in zip([alone] + outs, modes[:1] + modes):
+        meta = out["meta_info"]
+        correct = gamma if m == "full" else 0 if m == "zero" else int(m.split(":")[1])
+        hist, rounds = meta["spec_correct_drafts_histogram"], meta["spec_verify_ct"]
+        # every round but possibly the last (cut by max_new_tokens) accepts exactly `correct`
+        assert sum(hist) == rounds and hist[correct] >= rounds - 1 and not any(hist[correct + 1 :]), (m, hist)
+    log = srv.log_text()
+    for rows in (5, 20):
+        assert f"verify of {rows} rows captured" in log, srv.log_tail(80)
+        assert f"first replay of the captured verify, {rows} rows" in log, srv.log_tail(80)
+
+
 def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_path):
     """--enable-mixed-chunk with 128-token prefill chunks: while later prompts prefill, the running
     requests ride along each chunk as plain one-token decodes (SGLang's mixed step), tokens no
