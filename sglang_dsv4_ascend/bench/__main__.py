@@ -11,6 +11,7 @@ BENCHES = {
     "prefix": "sglang_dsv4_ascend.bench.prefix",
     "indexcache": "sglang_dsv4_ascend.bench.indexcache",
     "pd": "sglang_dsv4_ascend.bench.pd",
+    "startup": "sglang_dsv4_ascend.bench.startup",
 }
 
 

@@ -171,6 +171,12 @@ def test_capture_log_says_whether_inductor_compiled_or_loaded(tmp_path, monkeypa
         lines.append(spent())
     assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB, inductor cache: 0 hit, 1 missed", lines[0]), lines
     assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB, inductor cache: 1 hit, 0 missed", lines[1]), lines
+    # as `bench startup` reads a decode capture line back out of a server log
+    from sglang_dsv4_ascend.bench.startup import captures
+
+    line = f"[t] dsv4_ascend: decode batch size 4 captured (torch.compile, inductor) in {lines[1]}"
+    (row,) = captures(line)
+    assert row["what"] == "decode batch size 4" and (row["cache_hit"], row["cache_missed"]) == (1, 0), row
     spent = capture_meter()
     torch.compile(lambda x: x * 3, backend="eager")(torch.randn(3))
     assert re.fullmatch(r"[\d.]+ s, [+-][\d.]+ MiB", spent())

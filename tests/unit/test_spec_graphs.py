@@ -335,6 +335,12 @@ def draft_captured(tiny_checkpoint):
         assert re.fullmatch(
             rf"dsv4_ascend: DSpark draft block of {n} requests captured in [\d.]+ s, [+-][\d.]+ MiB", line
         )
+    # `bench startup` reads these lines back out of a server log (no cache figures: trace only)
+    from sglang_dsv4_ascend.bench.startup import captures
+
+    rows = captures("\n".join(["noise"] + logged))
+    assert [r["what"] for r in rows] == ["DSpark draft block of 1 requests", "DSpark draft block of 4 requests"]
+    assert all(set(r) == {"what", "s", "mib"} and r["s"] >= 0 for r in rows), rows
     eng.draft_graphs = graphs
     return trunk, draft, eng, graphs
 
