@@ -14,7 +14,7 @@ dtype (bf16); the random presets in fp32. Times are medians of `--reps` after th
 `--parts verify,draft` (shipped model, DSpark block 4): per batch size b, the speculative worker's
 own captured forwards (speculative/graphs.py) against their eager forms: the target verify of b
 whole blocks (b x 5 rows, writes deferred and dropped: VerifyGraphs) and the DSpark draft block
-of b requests (DraftGraphs), each with its capture time.
+of b requests with its greedy Markov chain (DraftGraphs), each with its capture time.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
             sl, starts = list(range(1, b + 1)), [context] * b
             anchors = torch.randint(0, model.cfg.vocab_size, (b,), generator=g)
 
-            def eager():
-                return draft.block(eng.drafter.ctx, sl, starts, anchors, gamma, model.embed, model.compute_logits)
+            def eager():  # the block, then the greedy Markov chain, as an eager round drafts
+                U, h = draft.block(eng.drafter.ctx, sl, starts, anchors, gamma, model.embed, model.compute_logits)
+                return (U, h, *draft.markov_greedy(U, h, anchors))
 
             def graph():
                 return one.run(sl, starts, anchors)

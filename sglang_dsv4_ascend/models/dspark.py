@@ -283,6 +283,13 @@ class DSparkDraft(nn.Module):
             prev = x
         return torch.stack(xs, dim=1), [torch.stack(q) if q else None for q in qs], torch.stack(cs, dim=1)
 
+    def markov_greedy(self, U, h, anchors):
+        """markov_chain of greedy rows only: (x [n, gamma], c [n, gamma]). Tensor ops alone (no draw,
+        no branch on values), so a captured draft block runs it after its stages
+        (speculative/graphs.DraftGraphs) instead of 2 x gamma small eager steps."""
+        x, _, c = self.markov_chain(U, h, anchors, [None] * U.shape[0], None)
+        return x, c
+
     def confidence(self, h_k: torch.Tensor, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
         """c_k [n] for block position k (1-based) from h_k [n, d] and x_{k-1} [n]."""
         last = self.mtp[-1]

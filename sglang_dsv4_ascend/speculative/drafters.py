@@ -302,9 +302,13 @@ class DSparkDrafter:
         anchors = torch.tensor(bonus, dtype=torch.long, device=w.device)
         graphs = getattr(w, "draft_graphs", None)
         blocks = None if graphs is None else graphs.run(slots, starts, anchors)
-        U, h = blocks or d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
         temps = [sampled_temperature(sp, b) for b, sp in enumerate(sampling or [None] * len(slots))]
-        x, probs, conf = d.markov_chain(U, h, anchors, temps, w.generator)
+        if blocks is None:
+            blocks = d.block(self.ctx, slots, starts, anchors, gamma, trunk.embed, trunk.compute_logits)
+        if len(blocks) == 4 and all(t is None for t in temps):  # the captured graph ran the greedy chain
+            x, probs, conf = blocks[2], None, blocks[3]
+        else:
+            x, probs, conf = d.markov_chain(blocks[0], blocks[1], anchors, temps, w.generator)
         trees = [DraftTree([b] + c, list(range(-1, gamma))) for b, c in zip(bonus, x.tolist())]
         return Drafts(trees, probs if any(t is not None for t in temps) else None, conf)
 

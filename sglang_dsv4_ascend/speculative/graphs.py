@@ -160,8 +160,9 @@ class DraftGraphs:
     dropped; a real request's rows read its own context and block alone, so padding changes none
     of its logits. Each bucket's inputs (ids, positions, key rows and validity) live in buffers
     filled in place before a replay, as a device graph reads them; the rings are the draft
-    cache's own. The Markov loop and the confidences after the block stay eager: gamma small
-    steps whose sampling draws on the host."""
+    cache's own. The graph ends with the greedy Markov chain and its confidences
+    (DSparkDraft.markov_greedy, from the anchors in each block's first id); a round with a sampled
+    request runs the chain eager after the block instead (its draws are on the host)."""
 
     def __init__(self, draft, cache, gamma: int, sizes, embed, head, compile_fn=None):
         if compile_fn is None:
@@ -173,7 +174,10 @@ class DraftGraphs:
         self.replays, self.replayed = 0, set()
 
     def _forward(self, ids, positions, key_rows, key_ok):
-        return self.draft.block_forward(ids, positions, key_rows, key_ok, self.cache.rings, self.embed, self.head)
+        U, h = self.draft.block_forward(ids, positions, key_rows, key_ok, self.cache.rings, self.embed, self.head)
+        n = ids.shape[0] // self.gamma
+        x, c = self.draft.markov_greedy(U.view(n, self.gamma, -1), h.view(n, self.gamma, -1), ids[:: self.gamma])
+        return U, h, x, c
 
     def _load(self, n: int, slots, starts, anchors: torch.Tensor):
         pad = n - len(slots)
@@ -201,7 +205,8 @@ class DraftGraphs:
 
     @torch.no_grad()
     def run(self, slots, starts, anchors: torch.Tensor):
-        """(U [n, gamma, V], h [n, gamma, d]) as DSparkDraft.block returns them; None when no
+        """(U [n, gamma, V], h [n, gamma, d]) as DSparkDraft.block returns them, then the greedy
+        chain (x [n, gamma], c [n, gamma]) as DSparkDraft.markov_greedy returns it; None when no
         bucket holds the batch (the caller runs it eager)."""
         n = next((b for b in self.sizes if b >= len(slots)), None)
         if n is None:
@@ -210,6 +215,6 @@ class DraftGraphs:
             self.replayed.add(n)
             logger.info("dsv4_ascend: first replay of the captured DSpark draft, %d requests", n)
         self.replays += 1
-        U, h = self.fn(*self._load(n, slots, starts, anchors))
-        rows = len(slots) * self.gamma
-        return U[:rows].view(len(slots), self.gamma, -1), h[:rows].view(len(slots), self.gamma, -1)
+        U, h, x, c = self.fn(*self._load(n, slots, starts, anchors))
+        k, rows = len(slots), len(slots) * self.gamma
+        return U[:rows].view(k, self.gamma, -1), h[:rows].view(k, self.gamma, -1), x[:k], c[:k]

@@ -392,9 +392,31 @@ def test_captured_draft_block_drafts_what_eager_drafts(draft_captured, monkeypat
     assert graphs.replayed == {1, 4}
     for slots in ([0, 2], [1], [2, 1, 0]):
         starts, anchors = [40 + 9 * s for s in slots], torch.tensor([5 + s for s in slots])
-        U, h = graphs.run(slots, starts, anchors)
+        U, h, x, c = graphs.run(slots, starts, anchors)
         U0, h0 = draft.block(eng.drafter.ctx, slots, starts, anchors, 4, trunk.embed, trunk.compute_logits)
         torch.testing.assert_close((U, h), (U0, h0), atol=1e-5, rtol=1e-5)
+        x0, _, c0 = draft.markov_chain(U0, h0, anchors, [None] * len(slots), None)
+        assert torch.equal(x, x0)
+        torch.testing.assert_close(c, c0, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_rounds_draft_the_captured_chain(draft_captured, monkeypatch):
+    """A greedy round drafts the Markov chain the captured graph computed (markov_greedy after the
+    stages), not an eager chain after it: with the graph's chain shifted on purpose, the first
+    round's drafts are the shifted ones, and the output is still plain greedy decoding's."""
+    trunk, draft, eng, graphs = draft_captured
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    want_tokens, want_drafts, prompts = _draft_serve(trunk, dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None))
+    real, V = graphs.run, trunk.cfg.vocab_size
+
+    def shifted(*args):
+        U, h, x, c = real(*args)
+        return U, h, (x + 1) % V, c
+
+    monkeypatch.setattr(graphs, "run", shifted)
+    got_tokens, got_drafts, _ = _draft_serve(trunk, eng)
+    first = [(type(t)([t[0]] + [(v + 1) % V for v in t[1:]]), p) for t, p in want_drafts[0]]
+    assert got_drafts[0] == first and got_tokens == want_tokens
 
 
 def test_stale_draft_block_inputs_are_caught(draft_captured, monkeypatch):
@@ -405,7 +427,7 @@ def test_stale_draft_block_inputs_are_caught(draft_captured, monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     monkeypatch.setattr(DraftGraphs, "_load", lambda self, n, *a: self.inputs[n])
     slots, starts, anchors = [0, 2], [50, 90], torch.tensor([3, 4])
-    U, _ = graphs.run(slots, starts, anchors)
+    U = graphs.run(slots, starts, anchors)[0]
     U0, _ = draft.block(eng.drafter.ctx, slots, starts, anchors, 4, trunk.embed, trunk.compute_logits)
     assert not torch.allclose(U, U0, atol=1e-3)
 
