@@ -66,6 +66,10 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
     def forward(ids, pos, plan):
         return model.compute_logits(model(ids, pos, (), cache, pending=[], plan=plan))
 
+    if compiler == "inductor":
+        from ..device import configure_inductor
+
+        configure_inductor()
     captured = torch.compile(torch.no_grad()(forward), dynamic=False, backend=compiler)
     rows = []
     for b in batches:
@@ -97,7 +101,7 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
     import sglang_dsv4_ascend as pkg
 
     from ..batch import Segment
-    from ..device import inductor_without_freezing
+    from ..device import configure_inductor
     from ..models.dspark import load_dspark_from_dir
     from ..speculative.drafters import DSparkDrafter
     from ..speculative.engine import SpecEngine
@@ -125,7 +129,7 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
         model(ids, torch.arange(context), [Segment(s, 0, context)], cache, aux=aux)
         eng.extend([Segment(s, 0, context)], None, aux, None, [])
     if compiler == "inductor":
-        inductor_without_freezing()
+        configure_inductor()
     compile_fn = lambda f: torch.compile(f, dynamic=False, backend=compiler)  # noqa: E731
     width, out = gamma + 1, {}
 

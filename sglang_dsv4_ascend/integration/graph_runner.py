@@ -3,7 +3,8 @@
 the platform seam `get_graph_runner_cls` (an out-of-tree platform must name one for capture to
 run). It changes two things: the compiler, from SGLANG_DSV4_COMPILE_BACKEND (inductor by default,
 as SGLang compiles; dynamo's trace alone to debug a capture or to test one quickly), and inductor's
-freezing, off; and it logs each batch size's capture time and the memory it added.
+settings (device.configure_inductor: freezing off, bf16 rounded as eager rounds it); and it logs
+each batch size's capture time, the memory it added and inductor's cache hits.
 
 What makes DeepSeek-V4 capturable is in the backend and the model, not here: one persistent
 plan per batch size refreshed before every replay (attention_backend/backend.py,
@@ -16,7 +17,7 @@ import logging
 import torch
 
 from .. import settings
-from ..device import capture_meter, inductor_without_freezing
+from ..device import capture_meter, configure_inductor
 
 logger = logging.getLogger("sglang_dsv4_ascend")
 _CLS = None
@@ -29,7 +30,7 @@ def cpu_graph_runner_cls():
 
         class DSV4CPUGraphRunner(CPUGraphRunner):
             def capture_one_batch_size(self, bs, forward, skip_cross_attention=False):
-                inductor_without_freezing()  # SGLang turns it on; device.py says why not
+                configure_inductor()  # after SGLang's settings: freezing off, eager's bf16 rounding (device.py)
                 compiler = settings.COMPILE_BACKEND.get()
                 if self.enable_torch_compile and compiler != "inductor":
                     forward = torch.compile(
