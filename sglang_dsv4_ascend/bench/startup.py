@@ -43,7 +43,8 @@ def captures(log: str) -> list:
     return out
 
 
-def start(path: str, args: tuple, env: dict) -> dict:
+def start(path: str, args: tuple, env: dict) -> tuple[dict, list]:
+    """One server start: (its startup figures and captures, its greedy tokens for PROMPT)."""
     from ..tools.server import SGLangServer
 
     t0 = time.perf_counter()
