@@ -193,6 +193,15 @@ NEXTN_SHAPE = _setting(
     "tree, a chain or no draft, whichever the round cost surface says emits most tokens per second)",
     choices=("static", "adaptive"),
 )
+SPEC_GUARD = _setting(
+    name="SGLANG_DSV4_SPEC_GUARD",
+    kind="flag",
+    default=True,
+    shape="0",
+    meaning="measure, per batch size, the tokens per second of rounds that draft and of plain decode steps, and skip "
+    "drafting where plain decoding is faster (`speculative/guard.py`; default on, every speculative method); 0 "
+    "drafts every round the planner asks for",
+)
 TREE_VERIFY = _setting(
     name="SGLANG_DSV4_TREE_VERIFY",
     kind="choice",

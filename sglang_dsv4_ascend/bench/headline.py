@@ -8,7 +8,9 @@ trained tiny DeepSeek-V4 (sglang_dsv4_ascend.TINY_MODEL_PATH), every method side
         [--zygote]
 
 Per method (METHODS: no speculation; NextN chain, tree topk 2 and 4, tree topk 2 with its round
-shape chosen per round; DSpark static and adaptive verify) one server is started (fp32,
+shape chosen per round; DSpark static and adaptive verify; every speculative method with the
+speculation guard on, as served by default, and NextN tree topk 4 and DSpark static also without it,
+`*_unguarded`) one server is started (fp32,
 --max-total-tokens 32768), warmed up with one untimed level, then `bench serve`'s streaming
 client (bench/serve.run_level: OpenAI chat API, greedy, `stream: true`) runs every dataset at
 every concurrency. A level sends max(concurrency, `--prompts-per-level`) requests: each
@@ -90,6 +92,15 @@ METHODS = {
         ("--speculative-algorithm", "dspark"),
     ),
 }
+# every speculative method runs with the guard (speculative/guard.py), the default; two without it,
+# side by side, show what it changes
+_OFF = {settings.SPEC_GUARD.name: "0"}
+METHODS["nextn_tree4_unguarded"] = (METHODS["nextn_tree4"][0], _OFF, METHODS["nextn_tree4"][2])
+METHODS["dspark_static_unguarded"] = (
+    pkg.TINY_MODEL_PATH,
+    {**METHODS["dspark_static"][1], **_OFF},
+    ("--speculative-algorithm", "dspark"),
+)
 
 
 def environment() -> dict:

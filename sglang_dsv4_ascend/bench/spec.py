@@ -35,6 +35,10 @@ spec output equals the no-spec one token for token for every request (the no-spe
 decoded `max steps` tokens further, so a last round's overshoot is checked too). Reported, never
 asserted here (tests/unit/test_bench_spec.py asserts it).
 
+`--guard on|off` (default on, as served): the speculation guard (speculative/guard.py) in every spec
+run, its plain step timed untimed first as the worker does; a short run is mostly its learning
+rounds.
+
 `--server`: per configuration and drafter a real SGLang server (tools/server.SGLangServer, started
 and stopped each time; the replay drafter through SGLANG_DSV4_TEST_DRAFTER=replay:FILE, its
 references being the no-spec server's outputs), one untimed warm-up request, then the batch sent
@@ -107,11 +111,14 @@ def _depth_rates(depths, steps: int) -> list:
     return [round(sum(d >= k for d in depths) / len(depths), 4) for k in range(1, steps + 1)]
 
 
-def run_in_process(ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int) -> list:
+def run_in_process(
+    ckpt: str, workdir: str, batches, configs, drafters, new_tokens: int, prompt_len: int, guard_on: bool = True
+) -> list:
     spec_cfgs = [c for c in configs if CONFIGS[c] is not None]
     extra = max([CONFIGS[c][1] for c in spec_cfgs], default=0)
     max_len = prompt_len + new_tokens + extra + 2
     ip = InProcess(ckpt)
+    ip.guard = guard_on
     all_prompts = prompt_ids(ckpt, max(batches), prompt_len)
     # warm-up (untimed): the first forwards of a shape pay one-time costs (TorchScript profiling)
     for B in batches:
@@ -364,6 +371,13 @@ def main(argv=None) -> int:
     ap.add_argument("--server", action="store_true", help="measure through real SGLang servers")
     ap.add_argument("--verify", default="static,adaptive", help="dspark: verify modes to run")
     ap.add_argument("--gamma", type=int, default=None, help="dspark: block size (default: the checkpoint's)")
+    ap.add_argument(
+        "--guard",
+        choices=["on", "off"],
+        default="on" if settings.SPEC_GUARD.get() else "off",
+        help="in process: the speculation guard (speculative/guard.py) in every spec run (default: as "
+        f"{settings.SPEC_GUARD.name}, on); --server: the servers read {settings.SPEC_GUARD.name}",
+    )
     a = ap.parse_args(argv)
     if a.algo not in ALGOS:
         ap.error(f"--algo {a.algo!r}: one of {', '.join(ALGOS)}")
@@ -399,6 +413,7 @@ def main(argv=None) -> int:
             "model": _model_text(a),
             "dtype": "float32",
             "batch": batches,
+            "guard": a.guard if not a.server else f"as {settings.SPEC_GUARD.name} (servers)",
             "new_tokens": a.new_tokens,
             "prompt_len": a.prompt_len,
             "configs": {
@@ -431,8 +446,13 @@ def main(argv=None) -> int:
     }
     with tempfile.TemporaryDirectory() as d:
         ckpt = _checkpoints(a, d)["nextn"]
-        run = run_server if a.server else run_in_process
-        result["results"] = run(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
+        if a.server:
+            result["results"] = run_server(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
+        else:
+            guard_on = a.guard == "on"
+            result["results"] = run_in_process(
+                ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len, guard_on
+            )
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
     return 0
@@ -466,6 +486,7 @@ def _main_dspark(ap, a) -> int:
             "batch": batches,
             "verify": verify,
             "drafters": drafters,
+            "guard": a.guard,
             "new_tokens": a.new_tokens,
             "prompt_len": a.prompt_len,
             "sampling": "greedy, EOS ignored",
@@ -477,7 +498,17 @@ def _main_dspark(ap, a) -> int:
     }
     with tempfile.TemporaryDirectory() as d:
         doc.update(
-            spec_dspark.run(_checkpoints(a, d), d, batches, verify, drafters, a.gamma, a.new_tokens, a.prompt_len)
+            spec_dspark.run(
+                _checkpoints(a, d),
+                d,
+                batches,
+                verify,
+                drafters,
+                a.gamma,
+                a.new_tokens,
+                a.prompt_len,
+                a.guard == "on",
+            )
         )
     doc["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(doc, indent=2))

@@ -14,6 +14,7 @@ import types
 
 import torch
 
+from .. import settings
 from ..batch import Segment
 
 
@@ -49,6 +50,14 @@ def rounded(x, nd=3):
     return None if x is None else round(x, nd)
 
 
+def guard(on: bool, trunk, cache, max_requests: int):
+    """The worker's speculation guard (speculative/guard.py) when `on`, with the plain step timed
+    as the worker times it at startup (untimed here)."""
+    from ..speculative.guard import Guard, plain_round_seconds
+
+    return Guard(plain=plain_round_seconds(trunk, cache, min(max_requests, 16))) if on else None
+
+
 class InProcess:
     """The model, its NextN block and the engine on this process's CPU. `trunk`: a target already
     built from `ckpt` (e.g. with another `index_topk_freq`: bench/indexcache.py); default: loaded."""
@@ -60,6 +69,7 @@ class InProcess:
         self.trunk = load_model_from_dir(ckpt) if trunk is None else trunk
         self.nextn = load_nextn_from_dir(ckpt, self.trunk.cfg)
         self.model = types.SimpleNamespace(model=self.trunk, nextn=self.nextn, cfg=self.trunk.cfg)
+        self.guard = settings.SPEC_GUARD.get()  # the speculation guard in every spec run, as served
 
     @torch.no_grad()
     def _prefill(self, cache, prompts):
@@ -110,6 +120,7 @@ class InProcess:
         cache = self.trunk.make_cache(B, max_len, ndraft)
         eng = NextNEngine(self.model, cache, topk, steps, ndraft, drafter_factory, torch.Generator().manual_seed(0))
         eng.node_once = node_once  # trees: each node once, or each root-to-leaf path (engine.verify_segments)
+        eng.guard = guard(self.guard, self.trunk, cache, B)
         if shapes:
             from ..speculative.shapes import ShapePlanner, measure
 

@@ -32,7 +32,8 @@ import types
 
 import torch
 
-from .spec_common import InProcess, drafter_factory, log, mean, prompt_ids, replay_file, rounded
+from .. import settings
+from .spec_common import InProcess, drafter_factory, guard, log, mean, prompt_ids, replay_file, rounded
 
 VERIFY = ("static", "adaptive")
 DRAFTERS = ("dspark", "replay")
@@ -45,6 +46,7 @@ class DSparkInProcess:
         self.trunk = trunk
         self.draft = load_dspark_from_dir(ckpt, trunk.cfg)
         self.model = types.SimpleNamespace(model=trunk, dspark=self.draft, cfg=trunk.cfg)
+        self.guard = settings.SPEC_GUARD.get()  # the speculation guard in every spec run, as served
 
     @torch.no_grad()
     def spec(self, prompts, gamma: int, mode: str, cost, drafter_factory, new_tokens: int, max_len: int) -> dict:
@@ -66,6 +68,7 @@ class DSparkInProcess:
             num_steps=gamma,
             num_draft_tokens=gamma + 1,
         )
+        eng.guard = guard(self.guard, self.trunk, cache, B)
         segs = [Segment(b, 0, len(p)) for b, p in enumerate(prompts)]
         ids = torch.tensor([t for p in prompts for t in p])
         pos = torch.cat([torch.arange(len(p)) for p in prompts])
@@ -106,11 +109,21 @@ class DSparkInProcess:
                 acc["drafted"].append(d)
                 acc["verified"].append(tree.n - 1)
             active = [b for b in active if len(outs[b]) < new_tokens]
-        return {"outputs": outs, "decode_s": time.perf_counter() - t0, "rounds": rounds, "timings": timings, **acc}
+        by_batch = eng.guard.describe() if eng.guard is not None else None
+        dt = time.perf_counter() - t0
+        return {"outputs": outs, "decode_s": dt, "rounds": rounds, "timings": timings, "guard": by_batch, **acc}
 
 
 def run(
-    ckpts: dict, workdir: str, batches, verify, drafters, gamma: int | None, new_tokens: int, prompt_len: int
+    ckpts: dict,
+    workdir: str,
+    batches,
+    verify,
+    drafters,
+    gamma: int | None,
+    new_tokens: int,
+    prompt_len: int,
+    guard_on: bool = True,
 ) -> dict:
     """`ckpts`: {"nextn": dir, "dspark": dir}, one trunk with either draft (checked: same_trunk)."""
     from ..models.dspark import load_sts, sts_path
@@ -122,6 +135,7 @@ def run(
     ds_ckpt, nx_ckpt = ckpts["dspark"], ckpts["nextn"]
     nx = InProcess(nx_ckpt)
     ds = DSparkInProcess(ds_ckpt, load_model_from_dir(ds_ckpt))
+    nx.guard = ds.guard = guard_on
     ds.draft.sts = load_sts(sts_path(None, ds_ckpt))  # the checkpoint's own calibration, as the server loads it
     a, b = nx.trunk.state_dict(), ds.trunk.state_dict()
     same_trunk = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -188,6 +202,9 @@ def run(
                     row["planner_predicted_round_ms"] = rounded(s["predicted_s"] * 1e3 / rr, 3)
                     row["measured_round_ms"] = rounded(round_s * 1e3 / rr, 3)
                     row["skipped_draft_rounds"] = s["skipped"]
+                if s["guard"] is not None:
+                    row["skipped_draft_rounds"] = s["skipped"]
+                    row["guard_by_batch"] = s["guard"]
                 results.append(row)
                 log(
                     f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "

@@ -44,6 +44,7 @@ import torch
 from .. import settings
 from ..batch import Segment
 from .accept import accept_batch
+from .planner import Decision
 from .tree import DraftTree
 
 STAGES = ("draft", "plan", "verify", "accept", "commit", "extend")
@@ -113,6 +114,7 @@ class SpecEngine:
         self.generator = generator
         self.graphs = None  # graphs.VerifyGraphs when the verify is captured
         self.shapes = None  # shapes.ShapePlanner: NextN's round shape (tree, chain, none) per round
+        self.guard = None  # guard.Guard: no drafting where plain decode steps measured faster
         self.draft_graphs = None  # graphs.DraftGraphs / NextNStepGraphs when the draft is captured
         self.node_once = settings.TREE_VERIFY.get() == "nodes"  # trees: verify_segments
         self.drafter = drafter_factory(self)
@@ -135,14 +137,16 @@ class SpecEngine:
         stage = _Stages()
         gens = gens if gens is not None else [None] * len(slots)
         decision = None
+        with stage("plan"):  # measured: whether drafting pays at this batch size (guard.Guard)
+            drafting = self.guard is None or self.guard.draft(len(slots))
         if self.planner is not None:
             with stage("plan"):  # before drafting: whether to draft at all (planner.Planner.decide)
-                decision = self.planner.decide(slots, gens)
-        skip = decision is not None and decision.skip
+                decision = self.planner.decide(slots, gens) if drafting else Decision(0, skip=True)
+        skip = not drafting or (decision is not None and decision.skip)
         shape = None
         if self.shapes is not None:
             with stage("plan"):  # the drafter reads the round's shape off the engine
-                shape = self.shapes.choose(len(slots))
+                shape = self.shapes.choose(len(slots)) if drafting else "plain"
                 self.topk, self.num_draft_tokens = self.shapes.geometry[shape]
             skip = shape == "plain"
         with stage("draft"):
@@ -153,12 +157,17 @@ class SpecEngine:
                 if not isinstance(drafts, Drafts):
                     drafts = Drafts(drafts)
         drafted = [t.n - 1 for t in drafts.trees]
-        plan = dict(self.shapes.last) if self.shapes is not None else {}
+        if not drafting:
+            plan = {"skipped_draft": True, **({"shape": shape} if shape else {})}
+        else:
+            plan = dict(self.shapes.last) if self.shapes is not None else {}
         if self.planner is not None:
             with stage("plan"):
                 lens = self.planner.plan(slots, gens, drafts.confidence, decision)
                 drafts = drafts.truncated(lens)
                 plan = dict(self.planner.last)
+        if self.guard is not None:
+            plan.update(self.guard.last)
         trees = drafts.trees
 
         with stage("verify"):
@@ -221,6 +230,8 @@ class SpecEngine:
                 ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends
             )
         out.timings = stage.t
+        if self.guard is not None:
+            self.guard.learn(len(slots), not skip, sum(out.accept_lens), sum(stage.t.values()))
         if self.shapes is not None:
             self.shapes.learn(shape, len(slots), len(ids), out.accept_lens, sum(stage.t.values()), stage.t["draft"])
         if self.planner is not None:

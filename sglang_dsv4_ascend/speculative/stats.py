@@ -27,6 +27,7 @@ class StageStats:
         self.confidence_shift = None  # the planner's latest calibration offsets per draft position
         self.by_batch = {}  # R -> [rounds, predicted seconds, measured seconds] (rounds with a prediction)
         self.by_shape = {}  # NextN round shape (shapes.py) -> rounds
+        self.by_guard = {}  # the guard's reason (guard.py: learning / exploring / drafting / plain) -> rounds
 
     def add(self, res) -> None:
         self.rounds += 1
@@ -34,6 +35,8 @@ class StageStats:
             self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.skipped_draft += bool(res.plan.get("skipped_draft"))
         self.confidence_shift = res.plan.get("confidence_shift", self.confidence_shift)
+        if "guard" in res.plan:
+            self.by_guard[res.plan["guard"]] = self.by_guard.get(res.plan["guard"], 0) + 1
         if "shape" in res.plan:
             self.by_shape[res.plan["shape"]] = self.by_shape.get(res.plan["shape"], 0) + 1
         if res.plan.get("predicted_seconds") is not None:
@@ -76,6 +79,7 @@ class StageStats:
             "skipped_draft_rounds": self.skipped_draft,
             "confidence_shift": self.confidence_shift,
             "rounds_by_shape": dict(self.by_shape),
+            "rounds_by_guard": dict(self.by_guard),
             "round_ms_by_batch": {
                 R: {"rounds": n, "predicted_ms": round(p * 1e3 / n, 3), "measured_ms": round(m * 1e3 / n, 3)}
                 for R, (n, p, m) in sorted(self.by_batch.items())
@@ -91,6 +95,8 @@ class StageStats:
         if self.by_batch:
             n, p, m = (sum(v[i] for v in self.by_batch.values()) for i in range(3))
             out += f"; skipped drafting {self.skipped_draft}/{self.rounds} rounds; predicted/measured {p / m:.2f}"
+        if self.by_guard:
+            out += "; guard " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_guard.items()))
         if self.by_shape:
             out += "; shapes " + " ".join(f"{k} {v}" for k, v in sorted(self.by_shape.items()))
         return out

@@ -29,6 +29,7 @@ from ..names import DSPARK_ALGO, SPEC_ALGOS
 from . import cost as cost_surface
 from .drafters import make_drafter
 from .engine import NextNEngine, SpecEngine, check_tree_shape
+from .guard import Guard, plain_round_seconds
 from .planner import Planner, measure_cost, verify_mode
 from .shapes import ShapePlanner
 from .shapes import measure as measure_shapes
@@ -179,6 +180,7 @@ class DSV4SpecWorker(BaseSpecWorker):
             self._capture_graphs()
             if settings.NEXTN_SHAPE.get() == "adaptive":
                 self._plan_shapes()
+            self._guard()
             return
         planner = Planner(self.gamma, self.verify_mode)
         self.engine = SpecEngine(
@@ -219,6 +221,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                 seed.source,
                 cost_surface.describe(seed),
             )
+        self._guard()
         native = self.model.cfg.dspark_block_size
         logger.info(
             "dsv4_ascend DSpark worker: gamma=%d (checkpoint native %s), verify=%s, drafter=%s, "
@@ -228,6 +231,23 @@ class DSV4SpecWorker(BaseSpecWorker):
             self.verify_mode,
             self.engine.drafter.name,
             f"{self.sts_path} {self.model.dspark.sts}" if self.sts_path else "none (T = 1)",
+        )
+
+    def _guard(self):
+        """Drafting only where it measured faster than plain decode steps (speculative/guard.py)."""
+        if settings.SPEC_GUARD.get():
+            max_requests = min(self.cache.num_slots, 16)
+            graphs = self.engine.graphs
+            plain = plain_round_seconds(self.model.model, self.cache, max_requests, agree=self.sync.any, graphs=graphs)
+            plain = self.sync.broadcast(plain)  # timings differ per rank; rank 0's for all
+            self.engine.guard = Guard(agree=self.decisions.broadcast, plain=plain)
+        guard = self.engine.guard
+        logger.info(
+            "dsv4_ascend speculation guard: %s",
+            f"on (per batch size, no drafting where plain decode steps measure faster); plain step at startup ms "
+            f"{[(R, round(t * 1e3, 2)) for R, t in guard.plain]}"
+            if guard is not None
+            else f"off ({settings.SPEC_GUARD.name}=0)",
         )
 
     def _plan_shapes(self):
@@ -307,7 +327,11 @@ class DSV4SpecWorker(BaseSpecWorker):
         return self.stats.log_suffix()
 
     def dump_info_records(self):
-        return self.stats.snapshot()
+        out = self.stats.snapshot()
+        guard = getattr(self.engine, "guard", None)
+        if guard is not None:
+            out["guard_by_batch"] = guard.describe()
+        return out
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         self._ensure_state()

@@ -23,6 +23,11 @@ def spec_prompts(ckpt, long_end: int):
     return out
 
 
+# Tests that assert each round's acceptance pattern or verify width serve without the speculation
+# guard (speculative/guard.py): its plain steps (no drafts) interleave by the machine's timings.
+EXACT_ROUNDS = {"SGLANG_DSV4_SPEC_GUARD": "0"}
+
+
 def replay_drafter(tmp_path, prompts, reference, modes) -> str:
     """SGLANG_DSV4_TEST_DRAFTER's value for a replay drafter proposing each prompt's reference continuation
     in `modes` (full, partial:N, zero, sibling, cycle), one per prompt."""

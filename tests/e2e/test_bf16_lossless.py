@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import load_prompts
-from spec_prompts import replay_drafter
+from spec_prompts import EXACT_ROUNDS, replay_drafter
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend import settings
@@ -93,7 +93,7 @@ def test_bf16_replay_full_partial_zero(servers, prompts, reference, method, tmp_
     modes = ["full", "partial:2", "zero", "partial:1"]
     ref = [r["output_ids"] for r in reference[:n]]
     path, env, flags = headline.METHODS[method]
-    env = {**env, settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts[:n], ref, modes)}
+    env = {**env, settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts[:n], ref, modes), **EXACT_ROUNDS}
     srv = servers.get(path, *headline.POOL, *flags, *BF16, env=env)
     outs = _run(srv, prompts[:n])
     got = [o["output_ids"] for o in outs]

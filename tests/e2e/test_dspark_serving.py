@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from spec_prompts import replay_drafter, spec_prompts
+from spec_prompts import EXACT_ROUNDS, replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend import settings
 
@@ -85,9 +85,15 @@ def test_greedy_dspark_equals_no_speculation(servers, ckpt, prompts, reference, 
     m = out["meta_info"]
     assert m["spec_verify_ct"] > 0 and m["spec_num_proposed_drafts"] == m["spec_verify_ct"] * int(want_gamma)
     assert sum(m["spec_cap_lens_histogram"]) == m["spec_verify_ct"]
-    if mode == "static":  # every round verifies the whole block (+ the anchor row)
-        assert m["spec_cap_lens_histogram"][-1] == m["spec_verify_ct"]
-        assert len(m["spec_cap_lens_histogram"]) == int(want_gamma) + 2
+    if mode == "static":
+        # a round verifies the whole block (+ the anchor row) or, where the guard measured plain
+        # steps faster (random weights accept almost nothing), the anchor row alone
+        h = m["spec_cap_lens_histogram"]
+        assert len(h) == int(want_gamma) + 2 and h[1] + h[-1] == m["spec_verify_ct"], h
+        rec = srv.server_info()["internal_states"][0]["dspark_info_record"]
+        assert rec["rounds_by_guard"]["learning drafting"] >= 4, rec["rounds_by_guard"]
+        # drafting that accepts almost nothing is never a sure win over a plain step
+        assert all(c.get("drafting_over_plain", 0) < 1.25 for c in rec["guard_by_batch"].values()), rec
     before = srv.server_info()["internal_states"][0]["dspark_info_record"]
     outs = _concurrent(srv, prompts)
     assert [o["output_ids"] for o in outs] == reference
@@ -143,7 +149,7 @@ def test_replay_acceptance_and_stats(servers, ckpt, prompts, reference, tmp_path
     surface it measured (timing: a loaded machine trimmed full rounds to 3), so there no round
     accepts past its first wrong draft, and the output never changes."""
     modes = ["full", "partial:2", "zero", "full", "partial:1", "zero", "full", "partial:3"]
-    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes), **EXACT_ROUNDS}
     gamma = 4
     srv = dspark_server(servers, ckpt, mode, env=env)
     outs = _concurrent(srv, prompts)
@@ -232,6 +238,7 @@ def test_replay_acceptance_under_captured_verify(servers, ckpt, prompts, referen
     padding rows are never committed and never change a decision."""
     modes = ["full", "partial:2", "zero", "partial:1"]
     env = {
+        **EXACT_ROUNDS,
         settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts[:4], reference[:4], modes),
         settings.COMPILE_BACKEND.name: "eager",
     }
@@ -267,7 +274,7 @@ def test_stats_hold_under_mixed_chunks(servers, ckpt, prompts, reference, tmp_pa
     gamma, short, late = 4, [0, 1, 2, 3], [4, 5, 6]  # 40-token prompts; then 110, 124 and 193 tokens
     modes = ["full", "full", "zero", "zero"] + ["partial:2"] * 3 + ["zero"]
     per_round = {"full": gamma + 1, "partial:2": 3, "zero": 1}  # tokens a round commits
-    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes)}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, reference, modes), **EXACT_ROUNDS}
     srv = dspark_server(
         servers,
         ckpt,

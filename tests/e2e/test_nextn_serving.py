@@ -17,7 +17,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from spec_prompts import check_replay_pattern, replay_drafter, spec_prompts
+from spec_prompts import EXACT_ROUNDS, check_replay_pattern, replay_drafter, spec_prompts
 
 from sglang_dsv4_ascend import settings
 
@@ -107,7 +107,7 @@ REPLAY = {
 
 
 def replay_server(servers, ckpt, replay_file, config):
-    env = {settings.TEST_DRAFTER.name: replay_file(REPLAY[config])}
+    env = {settings.TEST_DRAFTER.name: replay_file(REPLAY[config]), **EXACT_ROUNDS}
     return spec_server(servers, ckpt, config, "--chunked-prefill-size", "128", env=env)
 
 

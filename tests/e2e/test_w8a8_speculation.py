@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import load_prompts
-from spec_prompts import replay_drafter
+from spec_prompts import EXACT_ROUNDS, replay_drafter
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend import settings
@@ -92,7 +92,7 @@ def test_w8a8_replay_full_partial_zero(servers, tiny_w8a8, prompts, references, 
     """bf16, DSpark static: acceptance driven on purpose by the replay drafter (proposing the
     W8A8 reference itself): full, partial and zero rounds leave the output equal to it."""
     ref, modes, steps = references(BF16), ["full", "partial:2", "zero", "partial:1"], 4
-    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, ref, modes)}
+    env = {settings.TEST_DRAFTER.name: replay_drafter(tmp_path, prompts, ref, modes), **EXACT_ROUNDS}
     srv = _server(servers, tiny_w8a8, BF16, "dspark_static", False, env=env)
     outs = _run(srv, prompts)
     assert [o["output_ids"] for o in outs] == ref

@@ -148,11 +148,14 @@ class Cycle:
         self.taken.append((shape, rows, list(accept_lens)))
 
 
-def _serve(trunk, nextn, drafter, prompts):
+def _serve(trunk, nextn, drafter, prompts, guard=None):
+    """Greedy rounds until every prompt has N_NEW tokens: shapes cycled (Cycle), or with `guard`
+    (speculative/guard.py) the configured tree, drafting or not as the guard says. Returns
+    (tokens per prompt, the rounds: (shape, rows, accept lens))."""
     host = types.SimpleNamespace(model=trunk, nextn=nextn, cfg=trunk.cfg)
     cache = trunk.make_cache(len(prompts), 160, DRAFT_TOKENS)
     eng = SpecEngine(host, cache, drafter, torch.Generator(), topk=TOPK, num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS)
-    eng.shapes = Cycle()
+    eng.shapes, eng.guard, taken = (Cycle(), None, None) if guard is None else (None, guard, [])
     aux = {}
     segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
     h = trunk(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
@@ -165,11 +168,15 @@ def _serve(trunk, nextn, drafter, prompts):
         live = [s for s in range(len(got)) if len(got[s]) < N_NEW]
         hist = [prompts[s] + got[s] for s in live]
         r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, hist, live)
-        assert r.plan["shape"] == eng.shapes.taken[-1][0]
+        if guard is None:
+            assert r.plan["shape"] == eng.shapes.taken[-1][0]
+        else:
+            shape = "plain" if r.plan.get("skipped_draft") else "tree"
+            taken.append((shape, sum(t.n for t in r.trees), list(r.accept_lens), r.plan["guard"]))
         for s, e, a in zip(live, r.emitted, r.accept_lens):
             got[s] += e
             lens[s] += a
-    return [g[:N_NEW] for g in got], eng.shapes.taken
+    return [g[:N_NEW] for g in got], eng.shapes.taken if guard is None else taken
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,147 @@
+"""Never slower than no speculation, by measurement (issue #33): whether a round drafts at all.
+
+The planners (planner.py for DSpark, shapes.py for NextN) decide from a cost surface, and a surface
+can be off: the DSpark planner's was measured 30 % low at 16 requests, where it kept drafting at
+0.79x of plain decoding (in process, this CPU). The guard decides from what the rounds themselves
+measured instead. For each batch-size class (R in 1, 2, 3, 4, 5-6, 7-8, 9-12, 13-16, ...: steps
+of about sqrt 2, so that the rounds compared are of about the same batch) it keeps the last `keep`
+per-request rates
+
+    rate = tokens emitted / (R * seconds of the round)
+
+of rounds that drafted and of rounds that did not (a plain decode step: each request verifies its
+anchor row and the draft's state is extended as after any round, engine.SpecEngine.round). A
+class drafts for its first `first` rounds. If their median rate beats a plain step's by more than
+`sure` (a margin no noise of this size explains: at one request on this CPU drafting is 2x) it
+keeps drafting; a plain step's rate is then 1 / t_plain(R), `plain` timed at startup
+(planner.measure_cost over one row a request: the target forward alone, so it reads fast and
+errs toward trying plain steps). Otherwise it runs `first` plain rounds and from then on takes
+whichever of the two measured medians is higher (ties: draft). The loser is taken again every
+`explore`-th round of the class so that its figure stays current (acceptance moves with the
+prompts, the cost with the contexts), except a plain step when drafting wins by more than
+`sure`. Medians make one descheduled round irrelevant.
+
+Lossless: whether a round drafts is fixed from finished rounds' timings before it drafts, and a
+plain round is an ordinary round with no drafts (its bonus token is the target's own sample), so
+the choice depends on nothing the round draws.
+
+Ranks: the choice counters depend only on the rounds taken, the same on every rank; the timings
+differ per rank, so the winner of each class is refitted from one rank's medians (`agree`,
+spec_sync.RankSync.broadcast) every `every` rounds and whenever a class first has both figures.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+
+from .cost import interp
+from .planner import measure_cost
+
+_BOUNDS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+
+
+def batch_class(R: int) -> int:
+    """The class of a batch of R requests: the smallest bound >= R (bounds about sqrt 2 apart)."""
+    i = bisect.bisect_left(_BOUNDS, R)
+    return _BOUNDS[i] if i < len(_BOUNDS) else _BOUNDS[-1] * (1 + (R - 1) // _BOUNDS[-1])
+
+
+class Guard:
+    def __init__(
+        self,
+        first: int = 4,
+        keep: int = 16,
+        explore: int = 32,
+        sure: float = 1.25,
+        every: int = 8,
+        agree=None,
+        plain=None,
+    ):
+        """`plain`: [(R, seconds of a plain round of R requests)] timed at startup, or None."""
+        self.first, self.keep, self.explore, self.sure = first, keep, explore, sure
+        self.every, self.agree = every, agree
+        self.plain = sorted(plain) if plain else None
+        self.rates = {}  # class -> {True: deque of drafting rounds' (R, rate), False: plain rounds'}
+        self.turn = {}  # class -> rounds of the class chosen so far
+        self.winner = {}  # class -> (draft wins, drafting median / plain median), agreed at refits
+        self.rounds = 0
+        self.last = {}
+
+    def _rates(self, c: int) -> dict:
+        return self.rates.setdefault(c, {True: deque(maxlen=self.keep), False: deque(maxlen=self.keep)})
+
+    def draft(self, R: int) -> bool:
+        """Whether a round of R requests drafts."""
+        c = batch_class(R)
+        k = self.turn.get(c, 0)
+        self.turn[c] = k + 1
+        seen = self._rates(c)
+        if len(seen[True]) < self.first:
+            why, out = "learning drafting", True
+        elif c not in self.winner:  # refitted when the class got `first` drafting rounds
+            why, out = "learning plain", False
+        else:
+            wins, ratio = self.winner[c]
+            explore = k % self.explore == 0 and (not wins or ratio < self.sure)
+            out = wins != explore
+            why = ("exploring " if explore else "") + ("drafting" if out else "plain")
+        self.last = {"guard": why, "guard_class": c}
+        return out
+
+    def learn(self, R: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A finished round of R requests: whether it drafted, the tokens it emitted, its seconds."""
+        if not R or seconds <= 0:
+            return
+        c = batch_class(R)
+        seen = self._rates(c)
+        seen[drafted].append((R, tokens / (R * seconds)))
+        self.rounds += 1
+        # a class that just got its `first` rounds of either kind is decided now (the counts are
+        # the same on every rank, so every rank refits here)
+        if self.rounds % self.every == 0 or len(seen[drafted]) == self.first:
+            self.refit()
+
+    def ratio(self, c: int) -> float | None:
+        """Drafting's median rate over a plain step's in class c: measured plain rounds once there
+        are `first`, else the startup timing; None while neither is known."""
+        seen = self.rates.get(c)
+        if seen is None or len(seen[True]) < self.first:
+            return None
+        if len(seen[False]) >= self.first:
+            return statistics.median(r for _, r in seen[True]) / max(
+                1e-12, statistics.median(r for _, r in seen[False])
+            )
+        if self.plain is None:
+            return None
+        xs, ts = [R for R, _ in self.plain], [t for _, t in self.plain]
+        return statistics.median(r * interp(xs, ts, R) for R, r in seen[True])
+
+    def refit(self) -> None:
+        table = {}
+        for c, seen in self.rates.items():
+            ratio = self.ratio(c)
+            # against the startup timing alone, only a sure win counts: else plain steps are measured
+            if ratio is not None and (len(seen[False]) >= self.first or ratio >= self.sure):
+                table[c] = (ratio >= 1.0, ratio)
+        self.winner = table if self.agree is None else self.agree(table)
+
+    def describe(self) -> dict:
+        """Per class: rounds each way, the medians' ratio (drafting / plain) and the winner."""
+        out = {}
+        for c, seen in sorted(self.rates.items()):
+            row = {"drafting_rounds": len(seen[True]), "plain_rounds": len(seen[False])}
+            if c in self.winner:
+                wins, ratio = self.winner.get(c, (True, 1.0))  # refitted when the class got both figures
+                row.update(drafting_over_plain=round(ratio, 3), choice="drafting" if wins else "plain")
+            out[f"R<={c}"] = row
+        return out
+
+
+def plain_round_seconds(trunk, cache, max_requests: int, agree=None, graphs=None) -> list:
+    """[(R, seconds)] of the target forward over R one-row requests, R in 1, 2, 4, ... <=
+    max_requests (planner.measure_cost: best of two, the cache untouched; `agree`, `graphs` as
+    there): the startup estimate of a plain step's cost."""
+    seed = measure_cost(trunk, cache, 0, max_requests=max_requests, agree=agree, graphs=graphs, ks=[1])
+    return [(int(R), float(t)) for R, _, t in seed.points]

@@ -1,0 +1,190 @@
+"""The speculation guard (speculative/guard.py): per batch-size class, drafting only where rounds
+that draft measured more tokens per request-second than plain decode steps. Synthetic machines
+drive it (what a round costs and emits is set by the test, never taken from the code); a real
+engine shows its plain rounds stay greedy-identical."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from sglang_dsv4_ascend.speculative.guard import Guard, batch_class
+from tests.unit import test_shapes
+from tests.unit.test_shapes import _serve
+
+
+def _drive(guard, rounds, R, tokens, seconds):
+    """`rounds` rounds of R requests; a drafting round emits tokens(R) in seconds(R, True), a
+    plain one R tokens in seconds(R, False). Returns the choices (True: drafted)."""
+    taken = []
+    for i in range(rounds):
+        r = R(i) if callable(R) else R
+        d = guard.draft(r)
+        guard.learn(r, d, tokens(r) if d else r, seconds(r, d, i))
+        taken.append(d)
+    return taken
+
+
+def test_batch_classes_step_about_sqrt_two():
+    assert [batch_class(R) for R in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 1024, 1025)] == [
+        1, 2, 3, 4, 6, 6, 8, 8, 12, 16, 16, 24, 1024, 2048,
+    ]  # fmt: skip
+
+
+def test_drafting_that_loses_runs_plain_and_is_explored():
+    """Drafting emits 2 tokens a request in 3x a plain step's time: after `first` rounds each way,
+    plain, with a drafting round every `explore` rounds of the class."""
+    g = Guard(first=4, explore=32)
+    taken = _drive(g, 260, 16, lambda R: 2 * R, lambda R, d, i: 0.03 if d else 0.01)
+    assert taken[:8] == [True] * 4 + [False] * 4
+    assert [i for i, d in enumerate(taken) if d and i >= 8] == [32, 64, 96, 128, 160, 192, 224, 256]
+    assert g.describe()["R<=16"]["choice"] == "plain"
+
+
+def test_drafting_that_wins_by_far_never_steps_plain_again():
+    g = Guard(first=4, explore=32, sure=1.25)
+    taken = _drive(g, 200, 1, lambda R: 3 * R, lambda R, d, i: 0.012 if d else 0.01)
+    assert taken[:8] == [True] * 4 + [False] * 4
+    assert all(taken[8:])
+
+
+def test_a_startup_timing_spares_plain_rounds_only_for_a_sure_win():
+    """A plain step timed at startup at 10 ms: drafting at 3 tokens in 12 ms (2.5x) never steps
+    plain; at 2 tokens in 18 ms (1.11x, within `sure`) it measures plain steps first."""
+    plain = [(1, 0.01), (16, 0.01)]
+    far = _drive(Guard(plain=plain), 100, 4, lambda R: 3 * R, lambda R, d, i: 0.012 if d else 0.01)
+    assert all(far)
+    near = _drive(Guard(plain=plain), 100, 4, lambda R: 2 * R, lambda R, d, i: 0.018 if d else 0.01)
+    assert near[:8] == [True] * 4 + [False] * 4
+
+
+def test_a_sure_win_that_fades_is_measured_against_plain_steps():
+    """Drafting wins by far against the startup timing, then its rounds get 3x dearer (acceptance
+    gone, say): the next refit has no sure win, so plain steps are measured and taken."""
+    g = Guard(plain=[(1, 0.01)], keep=8, every=8)
+    taken = _drive(g, 120, 2, lambda R: 3 * R, lambda R, d, i: (0.012 if i < 40 else 0.05) if d else 0.01)
+    assert all(taken[:40])
+    assert sum(taken[80:]) <= 40 // g.explore + 1  # exploring only
+
+
+def test_drafting_that_wins_narrowly_keeps_plain_explored():
+    """Within the `sure` margin a plain step is taken every `explore` rounds: the figure it is
+    compared with can move."""
+    g = Guard(first=4, explore=32, sure=1.25)
+    taken = _drive(g, 200, 8, lambda R: 2 * R, lambda R, d, i: 0.018 if d else 0.01)  # 1.11x
+    assert [i for i, d in enumerate(taken) if not d and i >= 8] == [32, 64, 96, 128, 160, 192]
+
+
+def test_the_choice_follows_a_change_of_cost():
+    """Drafting wins, then (longer contexts, say) loses: the plain steps it explores see it."""
+    g = Guard(first=4, explore=8, keep=8, sure=10.0)
+    taken = _drive(g, 240, 4, lambda R: 2 * R, lambda R, d, i: (0.015 if i < 80 else 0.04) if d else 0.01)
+    assert sum(taken[40:80]) == 40 - 40 // 8
+    assert sum(taken[200:]) <= 40 // 8
+
+
+class _Mean(Guard):
+    """Broken on purpose: compares mean rates, so one descheduled round decides."""
+
+    def ratio(self, c):
+        seen = self.rates[c]
+        if min(len(seen[True]), len(seen[False])) < self.first:
+            return None
+        return statistics.mean(r for _, r in seen[True]) / statistics.mean(r for _, r in seen[False])
+
+
+@pytest.mark.parametrize("kind", [Guard, _Mean])
+def test_one_slow_round_does_not_decide(kind):
+    """Drafting is 1.5x faster, but every 8th plain round is descheduled to 1/50 of its rate (a
+    rate read 50x high would be the mirror case: a plain round 50x fast). Medians ignore it."""
+    g = kind(first=4, explore=32)
+
+    def seconds(R, d, i):
+        return 0.02 if d else (0.0002 if i % 8 == 5 else 0.01)
+
+    taken = _drive(g, 120, 4, lambda R: 3 * R, seconds)
+    assert (sum(taken[8:]) > 100) == (kind is Guard), sum(taken[8:])
+
+
+def test_classes_decide_apart():
+    """Alone drafting pays, at 16 requests it does not: rounds alternating between the two batch
+    sizes learn each class on its own."""
+    g = Guard(first=4, explore=1000)
+
+    def seconds(R, d, i):
+        return (0.012 if R == 1 else 0.04) if d else 0.01
+
+    taken = _drive(g, 200, lambda i: 1 if i % 2 else 16, lambda R: 2 * R, seconds)
+    alone, busy = taken[1::2][10:], taken[0::2][10:]
+    assert all(alone) and not any(busy)
+
+
+def test_ranks_take_rank_zeros_winners():
+    """Two ranks measure opposite timings; each refit takes rank 0's table, so they choose alike.
+    Without the agreement they would not (checked: the test's premise)."""
+
+    def run(agree_pair):
+        box = {}
+        g0 = Guard(first=4, every=8, agree=(lambda t: box.setdefault("t", t)) if agree_pair else None)
+        g1 = Guard(first=4, every=8, agree=(lambda t: box.pop("t")) if agree_pair else None)
+        out = ([], [])
+        for _ in range(120):
+            for rank, (g, dear) in enumerate(((g0, 0.04), (g1, 0.012))):
+                d = g.draft(8)
+                g.learn(8, d, 16 if d else 8, dear if d else 0.01)
+                out[rank].append(d)
+            box.pop("t", None)
+        return out
+
+    a, b = run(True)
+    assert a == b and not all(a[8:])
+    a, b = run(False)
+    assert a != b
+
+
+def test_bad_rounds_are_ignored():
+    g = Guard()
+    g.learn(0, True, 0, 0.01)
+    g.learn(4, True, 8, 0.0)
+    assert g.rates == {}
+
+
+# --- a real engine: rounds the guard makes plain are ordinary rounds -------------------------
+
+tiny = test_shapes.tiny  # the fixture: a tiny model, its NextN block, prompts, their greedy tokens
+
+
+class _Clocked(Guard):
+    """The real guard, fed a synthetic clock: a drafting round costs 3x a plain one."""
+
+    def learn(self, R, drafted, tokens, seconds):
+        super().learn(R, drafted, tokens, 0.03 if drafted else 0.01)
+
+
+def test_plain_rounds_are_greedy_identical(tiny, tmp_path):
+    """Zero acceptance (replay drafter): the guard learns drafting, then plain, then steps plain,
+    exploring drafting every 5th round; the output equals plain greedy decoding token for token
+    and a plain round verifies each request's anchor row only."""
+    from sglang_dsv4_ascend.speculative.drafters import ReplayDrafter
+
+    trunk, nextn, prompts, want = tiny
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"sequences": [p + w for p, w in zip(prompts, want)], "mode": "zero"}))
+    got, taken = _serve(trunk, nextn, lambda e: ReplayDrafter(e, str(path)), prompts, guard=_Clocked(explore=5))
+    assert got == want
+    reasons = [t[3] for t in taken]
+    assert reasons[:8] == ["learning drafting"] * 4 + ["learning plain"] * 4
+    assert set(reasons[8:]) == {"plain", "exploring drafting"}, reasons
+    assert all(rows == len(acc) for shape, rows, acc, _ in taken if shape == "plain")
+    assert all(rows > len(acc) for shape, rows, acc, _ in taken if shape == "tree")
+
+
+def test_plain_rounds_with_real_drafts_are_greedy_identical(tiny):
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+
+    trunk, nextn, prompts, want = tiny
+    got, taken = _serve(trunk, nextn, NextNDrafter, prompts, guard=_Clocked(first=2, explore=3))
+    assert got == want
+    assert {t[0] for t in taken} == {"plain", "tree"}
