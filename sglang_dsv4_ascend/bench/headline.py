@@ -176,7 +176,32 @@ def run_method(name, datasets, levels, per_level, max_tokens, path=None, extra_f
             for c in levels:
                 lv = _level(srv.url, model, prompts, c, max(c, per_level), max_tokens)
                 out["levels"].append({"dataset": ds, **lv})
+        rec = speculative_record(srv.server_info())
+        if rec:
+            out["speculative_record"] = rec
     return out
+
+
+SPEC_RECORD_KEYS = (
+    "rounds",
+    "skipped_draft_rounds",
+    "rounds_by_guard",
+    "guard_by_batch",
+    "rounds_by_shape",
+    "stage_ms_per_round",
+    "round_ms_by_batch",
+)
+
+
+def speculative_record(info: dict) -> dict | None:
+    """The speculative worker's record at the end of a method's run (warm-up included), from
+    /get_server_info: its rounds, why it drafted or not (speculative/guard.py: each batch-size
+    class's drafting-over-plain ratio), its stage times and predicted vs measured round times."""
+    for state in info.get("internal_states") or []:
+        rec = state.get("dspark_info_record") or state.get("nextn_info_record")
+        if isinstance(rec, dict):
+            return {k: rec[k] for k in SPEC_RECORD_KEYS if k in rec}
+    return None
 
 
 def ratios(results: dict) -> list:

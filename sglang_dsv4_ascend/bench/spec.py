@@ -35,9 +35,9 @@ spec output equals the no-spec one token for token for every request (the no-spe
 decoded `max steps` tokens further, so a last round's overshoot is checked too). Reported, never
 asserted here (tests/unit/test_bench_spec.py asserts it).
 
-`--guard on|off` (default on, as served): the speculation guard (speculative/guard.py) in every spec
-run, its plain step timed untimed first as the worker does; a short run is mostly its learning
-rounds.
+`--guard on|off` (default on, as served; `on,off` side by side with `--algo dspark`): the
+speculation guard (speculative/guard.py) in every spec run, its plain step timed (untimed) first as
+the worker does; a short run is mostly its learning rounds.
 
 `--server`: per configuration and drafter a real SGLang server (tools/server.SGLangServer, started
 and stopped each time; the replay drafter through SGLANG_DSV4_TEST_DRAFTER=replay:FILE, its
@@ -373,12 +373,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=None, help="dspark: block size (default: the checkpoint's)")
     ap.add_argument(
         "--guard",
-        choices=["on", "off"],
         default="on" if settings.SPEC_GUARD.get() else "off",
-        help="in process: the speculation guard (speculative/guard.py) in every spec run (default: as "
-        f"{settings.SPEC_GUARD.name}, on); --server: the servers read {settings.SPEC_GUARD.name}",
+        help="in process: the speculation guard (speculative/guard.py) in every spec run: on, off, or (--algo "
+        f"dspark) on,off side by side (default: as {settings.SPEC_GUARD.name}, on); --server: the servers read "
+        f"{settings.SPEC_GUARD.name}",
     )
     a = ap.parse_args(argv)
+    guards = _split(a.guard)
+    if not guards or any(g not in ("on", "off") for g in guards) or len(set(guards)) < len(guards):
+        ap.error(f"--guard {a.guard!r}: on, off or on,off")
+    if len(guards) > 1 and a.algo != "dspark":
+        ap.error(f"--guard {a.guard!r}: both side by side with --algo dspark only")
     if a.algo not in ALGOS:
         ap.error(f"--algo {a.algo!r}: one of {', '.join(ALGOS)}")
     if a.algo == "dspark":
@@ -449,10 +454,8 @@ def main(argv=None) -> int:
         if a.server:
             result["results"] = run_server(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
         else:
-            guard_on = a.guard == "on"
-            result["results"] = run_in_process(
-                ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len, guard_on
-            )
+            on = a.guard == "on"
+            result["results"] = run_in_process(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len, on)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
     return 0
@@ -486,7 +489,7 @@ def _main_dspark(ap, a) -> int:
             "batch": batches,
             "verify": verify,
             "drafters": drafters,
-            "guard": a.guard,
+            "guard": _split(a.guard),
             "new_tokens": a.new_tokens,
             "prompt_len": a.prompt_len,
             "sampling": "greedy, EOS ignored",
@@ -507,7 +510,7 @@ def _main_dspark(ap, a) -> int:
                 a.gamma,
                 a.new_tokens,
                 a.prompt_len,
-                a.guard == "on",
+                tuple(g == "on" for g in _split(a.guard)),
             )
         )
     doc["wall_s"] = round(time.perf_counter() - t0, 2)

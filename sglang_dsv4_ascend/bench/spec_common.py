@@ -175,10 +175,10 @@ class InProcess:
         }
 
 
-def replay_file(d: str, prompts, refs, tag: str) -> str:
-    path = os.path.join(d, f"replay-{tag}.json")
+def replay_file(d: str, prompts, refs, tag: str, mode: str = "full") -> str:
+    path = os.path.join(d, f"replay-{tag}-{mode}.json")
     with open(path, "w") as f:
-        json.dump({"sequences": [p + o for p, o in zip(prompts, refs)], "mode": "full"}, f)
+        json.dump({"sequences": [p + o for p, o in zip(prompts, refs)], "mode": mode}, f)
     return path
 
 

@@ -14,7 +14,12 @@ run (speculative/cost.py), as the server does. Drafters: "dspark" is the checkpo
 zero);
 "replay" is the test drafter in "full" mode fed the no-spec outputs, with its synthetic
 confidences (0.9 on the right tokens), so acceptance is maximal and the planner has something to
-trust: it bounds what the machinery costs.
+trust: it bounds what the machinery costs; "replay-zero" the same drafter with every first draft
+wrong: no draft is ever accepted (a draft that does not know the traffic), the case where
+speculation can only cost.
+
+`--guard on,off`: each configuration with the speculation guard (speculative/guard.py, as served)
+and without it (`dspark_<mode>_unguarded`), side by side.
 
 Per configuration: mean accept length (bonus included), committed tokens per target row,
 target rows per batch round ("target tokens per step"), drafted / verified drafts per
@@ -36,7 +41,7 @@ from .. import settings
 from .spec_common import InProcess, drafter_factory, guard, log, mean, prompt_ids, replay_file, rounded
 
 VERIFY = ("static", "adaptive")
-DRAFTERS = ("dspark", "replay")
+DRAFTERS = ("dspark", "replay", "replay-zero")
 
 
 class DSparkInProcess:
@@ -123,7 +128,7 @@ def run(
     gamma: int | None,
     new_tokens: int,
     prompt_len: int,
-    guard_on: bool = True,
+    guards=(True,),
 ) -> dict:
     """`ckpts`: {"nextn": dir, "dspark": dir}, one trunk with either draft (checked: same_trunk)."""
     from ..models.dspark import load_sts, sts_path
@@ -135,7 +140,7 @@ def run(
     ds_ckpt, nx_ckpt = ckpts["dspark"], ckpts["nextn"]
     nx = InProcess(nx_ckpt)
     ds = DSparkInProcess(ds_ckpt, load_model_from_dir(ds_ckpt))
-    nx.guard = ds.guard = guard_on
+    nx.guard = ds.guard = guards[0]
     ds.draft.sts = load_sts(sts_path(None, ds_ckpt))  # the checkpoint's own calibration, as the server loads it
     a, b = nx.trunk.state_dict(), ds.trunk.state_dict()
     same_trunk = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -171,44 +176,45 @@ def run(
                 "lossless": all(o == ref[: len(o)] for o, ref in zip(n["outputs"], refs)),
             }
         )
-        replay = replay_file(workdir, prompts, refs, f"ds-b{B}")
-        for mode in verify:
-            for dr in drafters:
-                factory = DSparkDrafter if dr == "dspark" else (lambda e, p=replay: ReplayDrafter(e, p))
-                s = ds.spec(prompts, gamma, mode, cost if mode == "adaptive" else None, factory, new_tokens, max_len)
-                tps = tok / s["decode_s"]
-                rr = s["rounds"]
-                row = {
-                    "config": f"dspark_{mode}",
-                    "drafter": dr,
-                    "batch": B,
-                    "gamma": gamma,
-                    "rounds": rr,
-                    "mean_accept_length": rounded(mean(s["accept"]), 4),
-                    "committed_per_target_row": rounded(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
-                    "target_rows_per_round": rounded(mean(s["batch_rows"]), 3),
-                    "drafted_per_request_round": rounded(mean(s["drafted"]), 3),
-                    "verified_drafts_per_request_round": rounded(mean(s["verified"]), 3),
-                    **{f"{k}_ms_per_round": rounded(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
-                    "tok_s": rounded(tps, 1),
-                    "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
-                    "tok_s_ratio_to_nextn": rounded(tps / nx_tps, 3),
-                    "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs)),
-                }
-                if mode == "adaptive" and s["predicted_s"] > 0:
-                    round_s = sum(s["timings"].values())
-                    row["planner_predicted_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
-                    row["measured_round_tok_s"] = rounded(sum(s["accept"]) / round_s, 1)
-                    row["planner_predicted_round_ms"] = rounded(s["predicted_s"] * 1e3 / rr, 3)
-                    row["measured_round_ms"] = rounded(round_s * 1e3 / rr, 3)
-                    row["skipped_draft_rounds"] = s["skipped"]
-                if s["guard"] is not None:
-                    row["skipped_draft_rounds"] = s["skipped"]
-                    row["guard_by_batch"] = s["guard"]
-                results.append(row)
-                log(
-                    f"batch {B} dspark {mode} {dr}: accept {row['mean_accept_length']}, rows/round "
-                    f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
-                    f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}"
-                )
+        replay = {m: replay_file(workdir, prompts, refs, f"ds-b{B}", m) for m in ("full", "zero")}
+        for mode, dr, on in [(m, d, g) for m in verify for d in drafters for g in guards]:
+            path = replay["zero" if dr == "replay-zero" else "full"]
+            factory = DSparkDrafter if dr == "dspark" else (lambda e, p=path: ReplayDrafter(e, p))
+            ds.guard = on
+            s = ds.spec(prompts, gamma, mode, cost if mode == "adaptive" else None, factory, new_tokens, max_len)
+            tps = tok / s["decode_s"]
+            rr = s["rounds"]
+            row = {
+                "config": f"dspark_{mode}" + ("" if on else "_unguarded"),
+                "drafter": dr,
+                "batch": B,
+                "gamma": gamma,
+                "rounds": rr,
+                "mean_accept_length": rounded(mean(s["accept"]), 4),
+                "committed_per_target_row": rounded(sum(s["accept"]) / max(1, sum(s["rows"])), 4),
+                "target_rows_per_round": rounded(mean(s["batch_rows"]), 3),
+                "drafted_per_request_round": rounded(mean(s["drafted"]), 3),
+                "verified_drafts_per_request_round": rounded(mean(s["verified"]), 3),
+                **{f"{k}_ms_per_round": rounded(v * 1e3 / rr, 3) for k, v in s["timings"].items()},
+                "tok_s": rounded(tps, 1),
+                "tok_s_ratio_to_nospec": rounded(tps / base_tps, 3),
+                "tok_s_ratio_to_nextn": rounded(tps / nx_tps, 3),
+                "lossless": all(o == ref[: len(o)] for o, ref in zip(s["outputs"], refs)),
+            }
+            if mode == "adaptive" and s["predicted_s"] > 0:
+                round_s = sum(s["timings"].values())
+                row["planner_predicted_tok_s"] = rounded(s["expected"] / s["predicted_s"], 1)
+                row["measured_round_tok_s"] = rounded(sum(s["accept"]) / round_s, 1)
+                row["planner_predicted_round_ms"] = rounded(s["predicted_s"] * 1e3 / rr, 3)
+                row["measured_round_ms"] = rounded(round_s * 1e3 / rr, 3)
+                row["skipped_draft_rounds"] = s["skipped"]
+            if s["guard"] is not None:
+                row["skipped_draft_rounds"] = s["skipped"]
+                row["guard_by_batch"] = s["guard"]
+            results.append(row)
+            log(
+                f"batch {B} {row['config']} {dr}: accept {row['mean_accept_length']}, rows/round "
+                f"{row['target_rows_per_round']}, {row['tok_s']} tok/s (x{row['tok_s_ratio_to_nospec']} "
+                f"nospec, x{row['tok_s_ratio_to_nextn']} nextn), lossless {row['lossless']}"
+            )
     return {"gamma": gamma, "same_trunk": same_trunk, "cost_model": cost.to_json(), "results": results}

@@ -175,7 +175,7 @@ class SpecEngine:
             # a captured verify takes chains only: a tree round it holds path by path runs
             # captured, any other node-once and eager
             layout = None
-            if self.graphs is not None and any(t.n > 1 + max(t.depth()) for t in trees):
+            if self.graphs is not None and not all(t.is_chain for t in trees):
                 layout = verify_segments(slots, starts, trees, node_once=False)
                 if self.graphs.bucket_for(layout[0]) is None:
                     layout = None
@@ -251,8 +251,7 @@ def verify_segments(slots, starts, trees, node_once: bool = True):
     segs, seg_first, ids, pos, node_rows, leaf_seg = [], [], [], [], [], []
     for slot, L, tree in zip(slots, starts, trees):
         if node_once:
-            chain = all(p == i - 1 for i, p in enumerate(tree.parents))
-            seg = Segment(slot, L, tree.n, None if chain else tuple(tree.parents))
+            seg = Segment(slot, L, tree.n, None if tree.is_chain else tuple(tree.parents))
             node_rows.append(list(range(len(ids), len(ids) + tree.n)))
             leaf_seg.append(None)
             segs.append(seg)

@@ -69,6 +69,12 @@ class DraftTree:
         """Number of nodes, root included."""
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        """One node per depth (no branching): in topological order each node's parent is the one
+        before it."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def depth(self) -> tuple[int, ...]:
         """Depth of every node; the root has depth 0."""
         d = [0] * self.n

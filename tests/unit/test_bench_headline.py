@@ -154,3 +154,16 @@ def test_default_run_is_unchanged(tmp_path, monkeypatch):
     assert doc["config"]["concurrency"] == [1, 8, 16] and doc["config"]["max_tokens"] == 64
     assert "quant" not in doc and "draft_quantization_effect" not in doc
     assert not (tmp_path / "headline_w8a8.json").exists()
+
+
+def test_the_speculative_record_is_read_from_server_info():
+    """A method's run keeps the worker's record from /get_server_info (DSpark's or NextN's field of
+    SGLang's internal_states): why it drafted or not per batch size; no speculation has none."""
+    guard = {"R<=16": {"drafting_rounds": 16, "plain_rounds": 9, "drafting_over_plain": 0.91, "choice": "plain"}}
+    rec = {"rounds": 40, "guard_by_batch": guard, "rounds_by_guard": {"plain": 20}, "acceptance_by_position": [0.9]}
+    info = {"internal_states": [{"last_gen_throughput": 1.0, "nextn_info_record": rec}]}
+    got = headline.speculative_record(info)
+    assert got == {"rounds": 40, "guard_by_batch": guard, "rounds_by_guard": {"plain": 20}}
+    dspark = {"internal_states": [{"dspark_info_record": {"rounds": 3, "skipped_draft_rounds": 1}}]}
+    assert headline.speculative_record(dspark) == {"rounds": 3, "skipped_draft_rounds": 1}
+    assert headline.speculative_record({"internal_states": [{"last_gen_throughput": 1.0}]}) is None

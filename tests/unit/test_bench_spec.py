@@ -135,18 +135,45 @@ def test_dspark_bench_measures_static_adaptive_and_nextn_side_by_side():
     assert set(rows) >= {
         ("nospec", None),
         (f"nextn_chain{g}", "nextn"),
-        ("dspark_static", "dspark"),
-        ("dspark_static", "replay"),
-        ("dspark_adaptive", "dspark"),
-        ("dspark_adaptive", "replay"),
+        ("dspark_static_unguarded", "dspark"),  # --guard off: every round as configured
+        ("dspark_static_unguarded", "replay"),
+        ("dspark_adaptive_unguarded", "dspark"),
+        ("dspark_adaptive_unguarded", "replay"),
     }
     assert all(r.get("lossless", True) for r in doc["results"])
-    assert rows[("dspark_static", "replay")]["mean_accept_length"] == g + 1
-    assert rows[("dspark_static", "dspark")]["target_rows_per_round"] == 2 * (g + 1)
-    assert rows[("dspark_adaptive", "dspark")]["target_rows_per_round"] <= 2 * (g + 1)
+    assert rows[("dspark_static_unguarded", "replay")]["mean_accept_length"] == g + 1
+    assert rows[("dspark_static_unguarded", "dspark")]["target_rows_per_round"] == 2 * (g + 1)
+    assert rows[("dspark_adaptive_unguarded", "dspark")]["target_rows_per_round"] <= 2 * (g + 1)
     assert {"planner_predicted_tok_s", "measured_round_ms", "skipped_draft_rounds"} <= set(
-        rows[("dspark_adaptive", "replay")]
+        rows[("dspark_adaptive_unguarded", "replay")]
     )
+
+
+def test_dspark_bench_runs_the_guard_beside_its_absence_on_a_draft_that_is_never_right():
+    """`--guard on,off` with the zero-acceptance replay drafter: both rows lossless; without the
+    guard every round verifies the whole block and accepts nothing; with it the guard's classes
+    are reported and its first rounds drafted."""
+    buf = io.StringIO()
+    argv = ["--algo", "dspark", "--batch", "2", "--new-tokens", "12", "--prompt-len", "24"]
+    argv += ["--verify", "static", "--drafters", "replay-zero", "--guard", "on,off"]
+    with contextlib.redirect_stdout(buf):
+        assert spec.main(argv) == 0
+    doc = json.loads(buf.getvalue())
+    assert doc["config"]["guard"] == ["on", "off"]
+    rows = {r["config"]: r for r in doc["results"] if r.get("drafter") == "replay-zero"}
+    on, off, g = rows["dspark_static"], rows["dspark_static_unguarded"], doc["gamma"]
+    assert on["lossless"] is True and off["lossless"] is True
+    assert off["mean_accept_length"] == 1.0 and off["verified_drafts_per_request_round"] == g
+    assert "guard_by_batch" not in off and on["guard_by_batch"]["R<=2"]["drafting_rounds"] >= 4
+
+
+def test_bench_spec_refuses_a_bad_guard(capsys):
+    with pytest.raises(SystemExit):
+        spec.main(["--algo", "nextn", "--guard", "on,off"])
+    assert "both side by side with --algo dspark only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        spec.main(["--algo", "dspark", "--guard", "maybe"])
+    assert "--guard 'maybe': on, off or on,off" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,7 @@ def test_draft_tree_queries_match_oracle(tree, L):
     assert list(tree.depth()) == O.depths(par)
     assert tree.positions(L) == [L + d for d in O.depths(par)]
     assert tree.leaves() == O.leaves(par)
+    assert tree.is_chain == (len(O.leaves(par)) == 1)  # a chain: one leaf
     for i in range(tree.n):
         assert tree.children(i) == [j for j in range(tree.n) if par[j] == i]
         assert tree.path(i) == O.root_path(par, i)
