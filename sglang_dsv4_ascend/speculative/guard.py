@@ -15,11 +15,15 @@ class drafts for its first `first` rounds. If their median rate beats a plain st
 `sure` (a margin no noise of this size explains: at one request on this CPU drafting is 2x) it
 keeps drafting; a plain step's rate is then 1 / t_plain(R), `plain` timed at startup
 (planner.measure_cost over one row a request: the target forward alone, so it reads fast and
-errs toward trying plain steps). Otherwise it runs `first` plain rounds and from then on takes
-whichever of the two measured medians is higher (ties: draft). The loser is taken again every
-`explore`-th round of the class so that its figure stays current (acceptance moves with the
-prompts, the cost with the contexts), except a plain step when drafting wins by more than
-`sure`. Medians make one descheduled round irrelevant.
+errs toward trying plain steps; and t_plain(R) is the fastest timing at R or more requests,
+since a timing taken while the machine was busy once read 40 ms at one request and 17 ms at
+two, and made drafting that accepted nothing look a sure win). Otherwise it runs `first` plain
+rounds and from then on takes whichever of the two measured medians is higher (ties: draft).
+The loser is taken again every `explore`-th round of the class so that its figure stays current
+(acceptance moves with the prompts, the cost with the contexts), except a plain step when
+drafting wins by more than `sure` against measured plain steps; a win against the startup
+timing alone is checked by a plain step every `explore`-th round until `first` are measured.
+Medians make one descheduled round irrelevant.
 
 Lossless: whether a round drafts is fixed from finished rounds' timings before it drafts, and a
 plain round is an ordinary round with no drafts (its bonus token is the target's own sample), so
@@ -27,7 +31,8 @@ the choice depends on nothing the round draws.
 
 Ranks: the choice counters depend only on the rounds taken, the same on every rank; the timings
 differ per rank, so the winner of each class is refitted from one rank's medians (`agree`,
-spec_sync.RankSync.broadcast) every `every` rounds and whenever a class first has both figures.
+spec_sync.RankSync.broadcast) every `every` rounds and whenever a class has just got its `first`
+rounds of either kind (the plain step's startup timing is rank 0's too, speculative/worker.py).
 """
 
 from __future__ import annotations
@@ -62,10 +67,14 @@ class Guard:
         """`plain`: [(R, seconds of a plain round of R requests)] timed at startup, or None."""
         self.first, self.keep, self.explore, self.sure = first, keep, explore, sure
         self.every, self.agree = every, agree
-        self.plain = sorted(plain) if plain else None
+        self.plain = None
+        if plain:  # the fastest timing at R or more requests: a busy moment reads slow, never fast
+            pts = sorted(plain)
+            self.plain = [(R, min(t for _, t in pts[i:])) for i, (R, _) in enumerate(pts)]
         self.rates = {}  # class -> {True: deque of drafting rounds' (R, rate), False: plain rounds'}
         self.turn = {}  # class -> rounds of the class chosen so far
-        self.winner = {}  # class -> (draft wins, drafting median / plain median), agreed at refits
+        # class -> (draft wins, drafting median / plain median, plain measured), agreed at refits
+        self.winner = {}
         self.rounds = 0
         self.last = {}
 
@@ -83,8 +92,8 @@ class Guard:
         elif c not in self.winner:  # refitted when the class got `first` drafting rounds
             why, out = "learning plain", False
         else:
-            wins, ratio = self.winner[c]
-            explore = k % self.explore == 0 and (not wins or ratio < self.sure)
+            wins, ratio, measured = self.winner[c]
+            explore = k % self.explore == 0 and (not wins or ratio < self.sure or not measured)
             out = wins != explore
             why = ("exploring " if explore else "") + ("drafting" if out else "plain")
         self.last = {"guard": why, "guard_class": c}
@@ -123,8 +132,9 @@ class Guard:
         for c, seen in self.rates.items():
             ratio = self.ratio(c)
             # against the startup timing alone, only a sure win counts: else plain steps are measured
-            if ratio is not None and (len(seen[False]) >= self.first or ratio >= self.sure):
-                table[c] = (ratio >= 1.0, ratio)
+            measured = len(seen[False]) >= self.first
+            if ratio is not None and (measured or ratio >= self.sure):
+                table[c] = (ratio >= 1.0, ratio, measured)
         self.winner = table if self.agree is None else self.agree(table)
 
     def describe(self) -> dict:
@@ -133,8 +143,9 @@ class Guard:
         for c, seen in sorted(self.rates.items()):
             row = {"drafting_rounds": len(seen[True]), "plain_rounds": len(seen[False])}
             if c in self.winner:
-                wins, ratio = self.winner.get(c, (True, 1.0))  # refitted when the class got both figures
+                wins, ratio, measured = self.winner[c]
                 row.update(drafting_over_plain=round(ratio, 3), choice="drafting" if wins else "plain")
+                row["against"] = "plain rounds" if measured else "the startup timing"
             out[f"R<={c}"] = row
         return out
 
