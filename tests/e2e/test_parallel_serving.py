@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import chat_ids, load_prompts
-from spec_prompts import check_replay_pattern, replay_drafter
+from spec_prompts import EXACT_ROUNDS, check_replay_pattern, replay_drafter
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend import settings
@@ -214,6 +214,7 @@ def test_replay_drives_full_partial_and_zero_acceptance_on_two_ranks(
     env = {
         settings.TEST_DRAFTER.name: replay_drafter(tmp_path, chat, chat_reference, modes),
         settings.SPEC_SYNC_CHECK.name: "1",
+        **EXACT_ROUNDS,
     }
     srv = servers.get(path, *headline.POOL, *flags, *TP2, *dp, env=env)
     assert "TEST replay drafter" in srv.log_text()

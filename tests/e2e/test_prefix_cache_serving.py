@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from spec_prompts import EXACT_ROUNDS
 
 pytestmark = pytest.mark.e2e
 
@@ -176,8 +177,9 @@ def test_speculative_prefix_hit_drafts_like_cold(method, code_prompt, servers):
     from sglang_dsv4_ascend.bench import headline
 
     ckpt, env, flags = headline.METHODS[method]
-    # the headline methods' servers, shared with test_trained_tiny.py: earlier tests' prefixes go first
-    srv = servers.get(ckpt, *headline.POOL, *flags, env=env)
+    # every round drafts (no speculation guard: whether it steps plain depends on timings, and the
+    # two requests' rounds are compared one for one); earlier tests' prefixes go first
+    srv = servers.get(ckpt, *headline.POOL, *flags, env={**env, **EXACT_ROUNDS})
     assert srv.server_info()["disable_radix_cache"] is False
 
     def gen(ids):
