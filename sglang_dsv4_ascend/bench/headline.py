@@ -94,12 +94,11 @@ METHODS = {
 }
 # every speculative method runs with the guard (speculative/guard.py), the default; two without it,
 # side by side, show what it changes
-_OFF = {settings.SPEC_GUARD.name: "0"}
-METHODS["nextn_tree4_unguarded"] = (METHODS["nextn_tree4"][0], _OFF, METHODS["nextn_tree4"][2])
-METHODS["dspark_static_unguarded"] = (
-    pkg.TINY_MODEL_PATH,
-    {**METHODS["dspark_static"][1], **_OFF},
-    ("--speculative-algorithm", "dspark"),
+METHODS.update(
+    {
+        f"{name}_unguarded": (METHODS[name][0], {**METHODS[name][1], settings.SPEC_GUARD.name: "0"}, METHODS[name][2])
+        for name in ("nextn_tree4", "dspark_static")
+    }
 )
 
 

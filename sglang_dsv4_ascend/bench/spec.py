@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if a.algo not in ALGOS:
         ap.error(f"--algo {a.algo!r}: one of {', '.join(ALGOS)}")
     if a.algo == "dspark":
-        return _main_dspark(ap, a)
+        return _main_dspark(ap, a, guards)
     try:
         batches = [int(x) for x in _split(a.batch)]
     except ValueError:
@@ -454,14 +454,14 @@ def main(argv=None) -> int:
         if a.server:
             result["results"] = run_server(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len)
         else:
-            on = a.guard == "on"
+            on = guards == ["on"]
             result["results"] = run_in_process(ckpt, d, batches, configs, drafters, a.new_tokens, a.prompt_len, on)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result, indent=2))
     return 0
 
 
-def _main_dspark(ap, a) -> int:
+def _main_dspark(ap, a, guards) -> int:
 
     if a.server:
         ap.error("--algo dspark runs in process only (the server path is tests/e2e/test_dspark_serving.py)")
@@ -489,7 +489,7 @@ def _main_dspark(ap, a) -> int:
             "batch": batches,
             "verify": verify,
             "drafters": drafters,
-            "guard": _split(a.guard),
+            "guard": guards,
             "new_tokens": a.new_tokens,
             "prompt_len": a.prompt_len,
             "sampling": "greedy, EOS ignored",
@@ -510,7 +510,7 @@ def _main_dspark(ap, a) -> int:
                 a.gamma,
                 a.new_tokens,
                 a.prompt_len,
-                tuple(g == "on" for g in _split(a.guard)),
+                tuple(g == "on" for g in guards),
             )
         )
     doc["wall_s"] = round(time.perf_counter() - t0, 2)

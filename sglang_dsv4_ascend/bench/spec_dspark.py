@@ -207,10 +207,10 @@ def run(
                 row["measured_round_tok_s"] = rounded(sum(s["accept"]) / round_s, 1)
                 row["planner_predicted_round_ms"] = rounded(s["predicted_s"] * 1e3 / rr, 3)
                 row["measured_round_ms"] = rounded(round_s * 1e3 / rr, 3)
-                row["skipped_draft_rounds"] = s["skipped"]
             if s["guard"] is not None:
-                row["skipped_draft_rounds"] = s["skipped"]
                 row["guard_by_batch"] = s["guard"]
+            if (mode == "adaptive" and s["predicted_s"] > 0) or s["guard"] is not None:
+                row["skipped_draft_rounds"] = s["skipped"]
             results.append(row)
             log(
                 f"batch {B} {row['config']} {dr}: accept {row['mean_accept_length']}, rows/round "

@@ -244,7 +244,8 @@ class DSV4SpecWorker(BaseSpecWorker):
         guard = self.engine.guard
         logger.info(
             "dsv4_ascend speculation guard: %s",
-            f"on (per batch size, no drafting where plain decode steps measure faster); plain step at startup ms "
+            f"on (per batch size, no drafting where plain decode steps measure faster); plain step timed at startup "
+            f"(the fastest at that many requests or more), ms "
             f"{[(R, round(t * 1e3, 2)) for R, t in guard.plain]}"
             if guard is not None
             else f"off ({settings.SPEC_GUARD.name}=0)",
