@@ -57,6 +57,20 @@ def check_replay_pattern(out, mode: str, steps: int) -> None:
         raise ValueError(f"unknown replay mode {mode!r}")
 
 
+def spec_record(srv) -> dict:
+    """The server's speculative statistics (speculative/stats.py) of rank 0."""
+    state = srv.server_info()["internal_states"][0]
+    return state.get("dspark_info_record") or state["nextn_info_record"]
+
+
+def accepted_per_drafting_round(before: dict, after: dict) -> float:
+    """Mean accepted drafts per request-round that drafted, between two `spec_record`s: the
+    guard's plain steps (speculative/guard.py) draft nothing and are left out."""
+    rounds = after["drafting_request_rounds"] - before["drafting_request_rounds"]
+    assert rounds > 0, ("no round drafted", after.get("rounds_by_guard"))
+    return (after["accepted_drafts"] - before["accepted_drafts"]) / rounds
+
+
 def accepted_per_round(meta) -> float:
     """Mean accepted drafts per verify round, from the round histogram SGLang reports."""
     h = meta["spec_correct_drafts_histogram"]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import load_prompts
-from spec_prompts import EXACT_ROUNDS, replay_drafter
+from spec_prompts import EXACT_ROUNDS, accepted_per_drafting_round, replay_drafter, spec_record
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend import settings
@@ -78,14 +78,16 @@ def test_w8a8_greedy_equals_no_speculation(servers, tiny_w8a8, prompts, referenc
     dtype, method, float_draft = CASES[case]
     ref = references(dtype)
     srv = _server(servers, tiny_w8a8, dtype, method, float_draft)
+    before = spec_record(srv)
     outs = _run(srv, prompts)
     assert [o["output_ids"] for o in outs] == ref
     kind = "dspark" if method.startswith("dspark") else "nextn"
     assert f"dsv4_ascend {kind} draft: {'float' if float_draft else 'W8A8'}" in srv.log_text()
-    h = [o["meta_info"]["spec_correct_drafts_histogram"] for o in outs]
-    accepted = sum(k * n for x in h for k, n in enumerate(x)) / max(1, sum(map(sum, h)))
-    print(f"{case}: accepted drafts per round {accepted:.2f}")
-    assert accepted >= 0.5, (case, h)  # measured 1.3-1.7 (these prompts)
+    # per round that drafted: the guard's plain steps depend on this machine's timings
+    after = spec_record(srv)
+    accepted = accepted_per_drafting_round(before, after)
+    print(f"{case}: accepted drafts per drafting round {accepted:.2f}")
+    assert accepted >= 0.5, (case, after["rounds_by_guard"])  # measured 1.3-1.7 (these prompts)
 
 
 def test_w8a8_replay_full_partial_zero(servers, tiny_w8a8, prompts, references, tmp_path):

@@ -69,6 +69,10 @@ def _check(cls, all_rounds):
     assert got == {k: round(a, 4) for k, a in by_pos.items()}
     rr = sum(map(len, all_rounds))
     assert snap["accept_length"] == round(committed / rr, 4)
+    # a plain step (a tree of its root alone) neither drafts nor dilutes the drafting acceptance
+    drafting = [(t, p) for reqs in all_rounds for t, p in reqs if t.n > 1]
+    assert snap["drafting_request_rounds"] == len(drafting)
+    assert snap["accepted_drafts"] == sum(len(p) - 1 for _, p in drafting)
 
 
 @settings(max_examples=150, deadline=None)
@@ -96,6 +100,8 @@ class DeepestBranch(StageStats):
             self.request_rounds += 1
             self.verified += tree.n - 1
             self.committed += len(path)
+            self.drafting_request_rounds += tree.n > 1
+            self.accepted += len(path) - 1
             depth = max(tree.depth()) if tree.n > 1 else 0
             while len(self.verified_at) < depth:
                 self.verified_at.append(0)
