@@ -332,6 +332,9 @@ class DSV4SpecWorker(BaseSpecWorker):
         guard = getattr(self.engine, "guard", None)
         if guard is not None:
             out["guard_by_batch"] = guard.describe()
+        # rounds that ran a captured forward (the rest ran eager: no bucket held them, or a tree)
+        captured = {"verify": self.engine.graphs, "draft": self.engine.draft_graphs}
+        out["captured_replays"] = {k: g.replays for k, g in captured.items() if g is not None}
         return out
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):

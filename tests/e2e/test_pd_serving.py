@@ -5,12 +5,14 @@ tools/pd.py as a user's command starts them.
 
 Greedy output through PD equals a unified server's (plain greedy decoding in process, which a
 unified server's equals), token for token, without speculation and with
-DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once (NextN chain and
-DSpark static: four at once), on chat prompts of
+DSpark adaptive and NextN tree (topk 2) on both sides, alone and four at once, on chat prompts of
 132-187 tokens (past the 16-token window, many C4 blocks, a C128 block closed and the next one
 open when the state moves) and again when the prefill side's radix cache holds the prompt. The
-drafts keep being accepted: the draft's state moves with the target's. What each piece of the
-state is, and that dropping one is caught, is tests/unit/test_pd_state.py. Faults: peers whose
+drafts keep being accepted: the draft's state moves with the target's. That state is the draft's
+(DSpark's rings, NextN's cache) whatever verifies its drafts, so NextN chain and DSpark static,
+which move the same state as the tree and adaptive verify, have no pair of their own (they had one
+each: ~55 s of CI for what these pairs already move). What each piece of the state is, and that
+dropping one is caught, is tests/unit/test_pd_state.py. Faults: peers whose
 layouts differ are refused at bootstrap naming both layouts; a decode side waiting for a prefill
 side that never got the request times out naming the request and the prefill peer; the decode
 server killed mid-transfer fails the request on the prefill side naming NIXL's disconnect; a
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import chat_ids
-from spec_prompts import accepted_per_round
+from spec_prompts import accepted_per_drafting_round, spec_record
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
@@ -40,10 +42,8 @@ POOL = headline.POOL
 # DSpark's pair first: it stays up for the no-speculation pair's fault checks (a peer whose layout
 # differs), which run last
 METHODS = ("dspark_adaptive", "nextn_tree2", "nospec")
-# the other speculative methods on the decode side: four requests at once each
-MORE = ("nextn_chain", "dspark_static")
 # well below what the same prompts accept unified (test_trained_tiny.py FLOORS)
-FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0, "nextn_chain": 1.0, "dspark_static": 0.8}
+FLOORS = {"dspark_adaptive": 0.8, "nextn_tree2": 1.0}
 TIMEOUT_S = 8  # either side's wait for its peer (SGLang's defaults: 300 s)
 CHUNKED = ("--chunked-prefill-size", "128")  # the prompts' state moves in two chunks
 
@@ -79,18 +79,6 @@ def _pd(pairs, method, *args, env=None) -> PDServers:
     return pairs[method].start()
 
 
-@pytest.mark.parametrize("method", MORE)
-def test_pd_decode_side_speculates_like_a_unified_server(prompts, reference, pairs, method):
-    """NextN chain and DSpark static verify on the decode side, from the transferred state."""
-    pd = _pd(pairs, method)
-    with ThreadPoolExecutor(len(prompts)) as ex:
-        outs = list(ex.map(lambda p: pd.generate(p, N_NEW, ignore_eos=True), prompts))
-    assert [o.get("output_ids") for o in outs] == reference, [o.get("error") for o in outs]
-    rates = [accepted_per_round(o["meta_info"]) for o in outs]
-    assert sum(rates) / len(rates) >= FLOORS[method], rates
-    pd.stop()
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     # the no-speculation pair ends with the fault checks: its prefill side gives up on a decode
@@ -98,6 +86,7 @@ def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     # chunk by chunk
     quick = {f"SGLANG_DISAGGREGATION_{t}_TIMEOUT": str(TIMEOUT_S) for t in ("BOOTSTRAP", "WAITING")}
     pd = _pd(pairs, method, *CHUNKED, env=quick) if method == "nospec" else _pd(pairs, method)
+    before = spec_record(pd.decode) if method in FLOORS else None
     single = pd.generate(prompts[0], N_NEW, ignore_eos=True)
     assert single.get("output_ids") == reference[0], (single, pd.prefill.log_tail(40), pd.decode.log_tail(40))
     with ThreadPoolExecutor(len(prompts)) as ex:
@@ -108,8 +97,9 @@ def test_pd_serves_like_a_unified_server(prompts, reference, pairs, method):
     assert hit["meta_info"]["cached_tokens"] >= 128, hit["meta_info"]
     assert hit["output_ids"] == reference[0]
     if method in FLOORS:  # the draft resumed from the transferred state, so it keeps drafting well
-        rates = [accepted_per_round(o["meta_info"]) for o in [single, *outs, hit]]
-        assert sum(rates) / len(rates) >= FLOORS[method], rates
+        # (over the rounds that drafted: the guard's plain steps depend on this machine's timings)
+        after = spec_record(pd.decode)
+        assert accepted_per_drafting_round(before, after) >= FLOORS[method], after["rounds_by_guard"]
     log = pd.prefill.log_text()
     assert "NIXL agent on host memory (DRAM), progressed every 1 ms" in log
     assert "Scheduler hit an exception" not in log + pd.decode.log_text()

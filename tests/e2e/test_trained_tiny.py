@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import chat_ids
-from spec_prompts import accepted_per_round
+from spec_prompts import accepted_per_drafting_round, accepted_per_round, spec_record
 
 import sglang_dsv4_ascend as pkg
 from sglang_dsv4_ascend.bench import headline
@@ -69,32 +69,42 @@ def test_greedy_equals_no_speculation_and_drafts_are_accepted(servers, prompts, 
     srv = servers.get(path, *POOL, *args, env=env)
     if method.startswith("dspark"):
         assert "confidence temperatures: " + pkg.TINY_STS_PATH in srv.log_text()  # the shipped calibration
+    before = spec_record(srv)
     single = srv.generate(prompts[0], N_NEW, ignore_eos=True)
     assert single["output_ids"] == reference[0]
     outs = _concurrent(srv, prompts)
     assert [o["output_ids"] for o in outs] == reference
-    rates = [accepted_per_round(o["meta_info"]) for o in [single] + outs]
-    mean = sum(rates) / len(rates)
-    print(f"{method}: accepted drafts per round {mean:.3f} (per request {[round(r, 2) for r in rates]})")
-    assert mean >= FLOORS[method], (method, rates)
+    after = spec_record(srv)
+    # the floor is over the rounds that drafted: how many the guard ran as plain steps depends on
+    # this machine's timings (under the other test worker's load it chose plain at 4 requests)
+    mean = accepted_per_drafting_round(before, after)
+    rates = [round(accepted_per_round(o["meta_info"]), 2) for o in [single] + outs]
+    print(f"{method}: accepted drafts per drafting round {mean:.3f} (per request, all rounds: {rates})")
+    assert mean >= FLOORS[method], (method, mean, after["rounds_by_guard"])
 
 
 def test_nextn_tree_with_graphs_and_round_shapes_serves_like_no_speculation(servers, prompts, reference):
     """NextN tree (topk 2) under --enable-torch-compile with SGLANG_DSV4_NEXTN_SHAPE=adaptive: the
     worker captures the target verify and the NextN draft steps per bucket, and picks each round's
     shape (tree, chain or no draft) from its cost surface; greedy output equals no speculation
-    alone and together (whatever shapes the rounds took)."""
+    alone and together (whatever shapes the rounds took). One captured size (1 request): a
+    request alone replays it, larger rounds run eager beside it; rounds padded into a captured
+    size are the next test's, rounds moving between captured sizes test_dspark_serving.py's and
+    tests/unit/test_spec_graphs.py's (each size is a trace of this 13-layer model, ~30 s in CI,
+    and a replay's cost grows with its rows: ~1 s for 80 rows here)."""
     path, env, args = METHODS["nextn_tree2"]
-    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
+    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1")
     env = {**env, "SGLANG_DSV4_COMPILE_BACKEND": "eager", "SGLANG_DSV4_NEXTN_SHAPE": "adaptive"}
     srv = servers.get(path, *POOL, *args, *graphs, env=env)
+    before = spec_record(srv)["captured_replays"]
     assert srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"] == reference[0]
     assert [o["output_ids"] for o in _concurrent(srv, prompts)] == reference
+    after = spec_record(srv)["captured_replays"]
+    assert after["draft"] > before["draft"], (before, after)  # the requests' rounds replayed it
     log = srv.log_text()
-    for rows in (20, 80):  # 1 and 4 requests x 5 paths of up to 4 tokens
-        assert f"verify of {rows} rows captured" in log, srv.log_tail(80)
-    for rows in (4, 16):  # 1 and 4 requests x 2 leaves x paths of 2 at the deepest step
-        assert f"NextN draft step of {rows} rows captured" in log, srv.log_tail(80)
+    assert "verify of 20 rows captured" in log, srv.log_tail(80)  # 1 request x 5 paths of up to 4 tokens
+    assert "verify of 80 rows captured" not in log
+    assert "NextN draft step of 4 rows captured" in log, srv.log_tail(80)  # 1 x 2 leaves x paths of 2
     assert "first replay of the captured NextN draft step" in log, srv.log_tail(80)
     assert "NextN round shapes (SGLANG_DSV4_NEXTN_SHAPE=adaptive): ['plain', 'chain', 'tree']" in log
     assert re.search(r"NextN worker: \d+ rounds, .*; shapes (chain|plain|tree) \d+", log), srv.log_tail(80)
@@ -113,19 +123,22 @@ def test_w8a8_version_serves(servers, tiny_w8a8, prompts, reference):
 
 def test_captured_verify_serves_like_no_speculation(servers, prompts, reference):
     """DSpark adaptive under --enable-torch-compile: the speculative worker captures the target
-    verify for 1 and 4 requests (5 and 20 rows) and the DSpark draft block for 1 and 4 requests,
-    and replays them, padded, for every round that fits (budgets priced at the bucket's rows);
-    greedy output equals no speculation alone and together. The compiler is dynamo's trace
-    alone (SGLANG_DSV4_COMPILE_BACKEND=eager), as in test_graph_serving.py."""
+    verify for 4 requests (20 rows) and the DSpark draft block for 4 requests, and replays them,
+    padded, for every round (budgets priced at the bucket's rows): one request alone, and four
+    together, as they start and finish; greedy output equals no speculation alone and together.
+    The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager), as in
+    test_graph_serving.py. One captured size, as above."""
     path, env, args = METHODS["dspark_adaptive"]
-    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "1", "4")
+    graphs = ("--enable-torch-compile", "--cuda-graph-bs-decode", "4")
     srv = servers.get(path, *POOL, *args, *graphs, env={**env, "SGLANG_DSV4_COMPILE_BACKEND": "eager"})
+    before = spec_record(srv)["captured_replays"]
     assert srv.generate(prompts[0], N_NEW, ignore_eos=True)["output_ids"] == reference[0]
     assert [o["output_ids"] for o in _concurrent(srv, prompts)] == reference
+    after = spec_record(srv)["captured_replays"]
+    # the requests' rounds replayed both (the log's first replays may be the startup's timing)
+    assert after["verify"] > before["verify"] and after["draft"] > before["draft"], (before, after)
     log = srv.log_text()
-    assert "verify of 5 rows captured" in log and "verify of 20 rows captured" in log, srv.log_tail(80)
-    for rows in (5, 20):
-        assert f"first replay of the captured verify, {rows} rows" in log, srv.log_tail(80)
-    for n in (1, 4):
-        assert f"DSpark draft block of {n} requests captured" in log, srv.log_tail(80)
-        assert f"first replay of the captured DSpark draft, {n} requests" in log, srv.log_tail(80)
+    assert "verify of 20 rows captured" in log and "verify of 5 rows captured" not in log, srv.log_tail(80)
+    assert "first replay of the captured verify, 20 rows" in log, srv.log_tail(80)
+    assert "DSpark draft block of 4 requests captured" in log, srv.log_tail(80)
+    assert "first replay of the captured DSpark draft, 4 requests" in log, srv.log_tail(80)
