@@ -61,3 +61,34 @@ def test_scripted_mhc_weights_equal_the_reference(T, d):
     args = (streams, fn, base, scale, 4, 20, 1e-6, 1e-6)
     for got, want in zip(S.mhc_weights(*args), R.mhc_weights(*args)):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_capture_records_the_mhc_coefficients_as_one_op():
+    """Inside torch.compile the coefficients are the opaque op `dsv4_ascend.mhc_weights` (its
+    replay runs the compiled function above), not the ~130 traced ops of the Sinkhorn loop: the
+    captured sublayer holds one op where the loop held dozens of divisions, and equals eager."""
+    g = torch.Generator().manual_seed(3)
+    streams = torch.randn(5, 4, 64, generator=g)
+    fn, base, scale = torch.randn(24, 256, generator=g) * 0.2, torch.randn(24, generator=g), torch.rand(3, generator=g)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def coefficients(s):
+        return S.mhc_weights(s, fn, base, scale, 4, 20, 1e-6, 1e-6)
+
+    torch._dynamo.reset()
+    got = torch.compile(coefficients, backend=record, dynamic=False)(streams)
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("dsv4_ascend.mhc_weights.default") == 1, targets
+    assert sum("truediv" in t or "div" in t for t in targets) == 0, targets  # no Sinkhorn step traced
+    for a, b in zip(got, R.mhc_weights(streams, fn, base, scale, 4, 20, 1e-6, 1e-6)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # the loop the op replaces, traced op by op (the reference itself): dozens of divisions
+    graphs.clear()
+    torch._dynamo.reset()
+    torch.compile(lambda s: R.mhc_weights(s, fn, base, scale, 4, 20, 1e-6, 1e-6), backend=record)(streams)
+    traced = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("truediv" in t for t in traced) >= 38, traced
