@@ -8,8 +8,8 @@
 # (tests/e2e/conftest.py SCHEDULE) each on one worker, the unit tests on whichever is free, one
 # torch thread per worker (two workers of two OpenMP threads on two cores spin in each other's
 # barriers: measured, test_dspark's sampling tests ran for 45+ minutes). Measured on the 2-core
-# machine from a clean clone, setup included: 1051 s and 1310 s (the machine's speed varies by
-# about 25 %); one process was about 40 % slower when last measured. Every run ends with
+# machine from a clean clone, setup included: 918 s (the machine's speed varies by about 25 %);
+# one process was about 40 % slower when last measured. Every run ends with
 # its 15 slowest tests, the server starts and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
