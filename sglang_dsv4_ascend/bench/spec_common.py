@@ -55,7 +55,7 @@ def guard(on: bool, trunk, cache, max_requests: int):
     as the worker times it at startup (untimed here)."""
     from ..speculative.guard import Guard, plain_round_seconds
 
-    return Guard(plain=plain_round_seconds(trunk, cache, min(max_requests, 16))) if on else None
+    return Guard(plain=plain_round_seconds(trunk, cache, min(max_requests, 16))[0]) if on else None
 
 
 class InProcess:

@@ -42,7 +42,7 @@ import statistics
 from collections import deque
 
 from .cost import interp
-from .planner import measure_cost
+from .planner import batch_sizes, measure_cost
 
 _BOUNDS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 
@@ -150,9 +150,17 @@ class Guard:
         return out
 
 
-def plain_round_seconds(trunk, cache, max_requests: int, agree=None, graphs=None) -> list:
-    """[(R, seconds)] of the target forward over R one-row requests, R in 1, 2, 4, ... <=
+def plain_round_seconds(trunk, cache, max_requests: int, agree=None, graphs=None, seed=None) -> tuple:
+    """([(R, seconds)], where they came from) of the target forward over R one-row requests, R in 1, 2, 4, ... <=
     max_requests (planner.measure_cost: best of two, the cache untouched; `agree`, `graphs` as
-    there): the startup estimate of a plain step's cost."""
-    seed = measure_cost(trunk, cache, 0, max_requests=max_requests, agree=agree, graphs=graphs, ks=[1])
-    return [(int(R), float(t)) for R, _, t in seed.points]
+    there): the startup estimate of a plain step's cost. A cost seed the worker measured at
+    startup anyway (DSpark adaptive's surface, NextN's shapes) already holds these forwards
+    (`plain_points`: one row a request, the draft's time apart): when it timed every batch size,
+    they are read from it and nothing is timed twice. Otherwise (no seed, or its time budget ran
+    out before the batch sizes between the extremes) they are timed here."""
+    points = getattr(seed, "plain_points", None) or []
+    source = "read from the startup cost seed"
+    if not set(batch_sizes(max_requests)) <= {R for R, _ in points}:
+        seed = measure_cost(trunk, cache, 0, max_requests=max_requests, agree=agree, graphs=graphs, ks=[1])
+        points, source = seed.plain_points, "timed"
+    return [(int(R), float(t)) for R, t in points], source

@@ -340,6 +340,7 @@ def measure_cost(
     corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in extremes))
     order = corners + [(R, k) for R in Rs for k in ks if (R, k) not in corners]
     draft_of = {}  # R -> seconds of its draft step (0 without a drafter), in measuring order
+    plain = []  # (R, seconds) of the one-row forwards alone: a plain decode step (guard.py reads them)
     for i, (R, k) in enumerate(order):
         if R not in draft_of:
             draft_of[R] = 0.0 if drafter is None else best_of(lambda: drafter.draft([0] * R, [start] * R, [0] * R))
@@ -354,6 +355,8 @@ def measure_cost(
                 lambda: graphs.run(segs, ids, pos, [], dict(aux)) is None and trunk(ids, pos, segs, cache, pending=[])
             )
         points.append((R, R * k if graphs is None else graphs.rows_for(R * k), t + draft_of[R]))
+        if k == 1:
+            plain.append((R, t))
         if i + 1 >= len(corners):
             spent = time.perf_counter() - t_begin > budget_s
             if agree(spent) if agree is not None else spent:
@@ -362,4 +365,5 @@ def measure_cost(
     source = f"measured at startup, {len(points)} points"
     cost = from_points(points, max_requests, max_requests * (gamma + 1), drafts or None, source=source)
     cost.points, cost.draft_points = [list(p) for p in points], [list(d) for d in drafts]
+    cost.plain_points = plain
     return cost

@@ -213,6 +213,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                     graphs=self.engine.graphs,
                 )
                 seed = self.sync.broadcast(seed)  # timings differ per rank; rank 0's plans for all
+                self._seed = seed  # its one-row forwards are the guard's plain step too
             planner.use(seed, agree=self.decisions.broadcast)  # refits agree over the deciding ranks
             if self.engine.graphs is not None:  # a budget is priced at its bucket's rows: filled up
                 planner.pad = self.engine.graphs.rows_for
@@ -238,14 +239,17 @@ class DSV4SpecWorker(BaseSpecWorker):
         if settings.SPEC_GUARD.get():
             max_requests = min(self.cache.num_slots, 16)
             graphs = self.engine.graphs
-            plain = plain_round_seconds(self.model.model, self.cache, max_requests, agree=self.sync.any, graphs=graphs)
+            seed = getattr(self, "_seed", None)  # a startup cost seed that timed plain steps already
+            plain, self._plain_source = plain_round_seconds(
+                self.model.model, self.cache, max_requests, agree=self.sync.any, graphs=graphs, seed=seed
+            )
             plain = self.sync.broadcast(plain)  # timings differ per rank; rank 0's for all
             self.engine.guard = Guard(agree=self.decisions.broadcast, plain=plain)
         guard = self.engine.guard
         logger.info(
             "dsv4_ascend speculation guard: %s",
-            f"on (per batch size, no drafting where plain decode steps measure faster); plain step timed at startup "
-            f"(the fastest at that many requests or more), ms "
+            f"on (per batch size, no drafting where plain decode steps measure faster); plain step at startup, "
+            f"{self._plain_source} (the fastest at that many requests or more), ms "
             f"{[(R, round(t * 1e3, 2)) for R, t in guard.plain]}"
             if guard is not None
             else f"off ({settings.SPEC_GUARD.name}=0)",
@@ -258,6 +262,7 @@ class DSV4SpecWorker(BaseSpecWorker):
         planner = ShapePlanner(self.topk, self.num_steps, self.num_draft_tokens, agree=self.decisions.broadcast)
         seed, drafts = measure_shapes(eng, planner, min(self.cache.num_slots, 16), agree=self.sync.any)
         seed, drafts = self.sync.broadcast((seed, drafts))  # timings differ per rank; rank 0's for all
+        self._seed = seed  # its one-row forwards (the plain shape) are the guard's plain step too
         planner.seed(seed, drafts)
         if eng.graphs is not None:
             planner.pad = eng.graphs.rows_for

@@ -208,3 +208,46 @@ def test_plain_rounds_with_real_drafts_are_greedy_identical(tiny):
     got, taken = _serve(trunk, nextn, NextNDrafter, prompts, guard=_Clocked(first=2, explore=3))
     assert got == want
     assert {t[0] for t in taken} == {"plain", "tree"}
+
+
+def test_the_plain_timing_is_read_from_a_startup_seed_without_timing_twice(monkeypatch):
+    """DSpark adaptive's cost seed (planner.measure_cost with a drafter) times one-row forwards
+    anyway: their target time alone, the draft's apart, is the guard's plain step, read from the
+    seed with no forward of its own. Without a seed (or one that timed no one-row forward) the
+    guard times them itself. A synthetic clock: a forward costs 10 ms a row, a draft 1 s."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_dsv4_ascend.speculative import planner as P
+    from sglang_dsv4_ascend.speculative.guard import plain_round_seconds
+
+    calls = []
+
+    def trunk(ids, pos, segs, cache, pending=None):
+        calls.append(("forward", ids.shape[0]))
+
+    drafter = SimpleNamespace(draft=lambda slots, *a: calls.append(("draft", len(slots))))
+
+    def clock(fn):  # best_of on the synthetic clock: the seconds of the call it runs
+        n = len(calls)
+        fn()
+        kind, rows = calls[n]
+        return 1.0 if kind == "draft" else 0.01 * rows
+
+    monkeypatch.setattr(P, "best_of", clock)
+    cache = SimpleNamespace(max_context_len=1000, device=torch.device("cpu"))
+    seed = P.measure_cost(trunk, cache, 4, max_requests=4, budget_s=60.0, drafter=drafter)
+    assert sorted(seed.plain_points) == [(1, 0.01), (2, 0.02), (4, 0.04)]
+    # the surface's own one-row points carry the draft: read as a plain step they would be 100x off
+    assert sorted((R, t) for R, rows, t in seed.points if rows == R) == [(1, 1.01), (2, 1.02), (4, 1.04)]
+    n = len(calls)
+    got, source = plain_round_seconds(trunk, cache, 4, seed=seed)
+    assert sorted(got) == [(1, 0.01), (2, 0.02), (4, 0.04)] and source == "read from the startup cost seed"
+    assert len(calls) == n  # nothing timed twice
+    # a seed that timed no one-row forward, or not every batch size (its budget ran out), or
+    # none: the guard times them itself
+    for other in (None, SimpleNamespace(plain_points=[]), SimpleNamespace(plain_points=[(1, 0.5), (4, 0.5)])):
+        got, source = plain_round_seconds(trunk, cache, 4, seed=other)
+        assert sorted(got) == [(1, 0.01), (2, 0.02), (4, 0.04)] and source == "timed" and len(calls) > n
+        n = len(calls)
