@@ -313,9 +313,10 @@ def measure_cost(
     graphs=None,
     ks=None,
 ):
-    """The seed of the round cost surface (cost.py) on this machine: timed target forwards over R
-    requests of k rows (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1),
-    writes deferred and dropped (the cache is not touched), and with a `drafter` its draft step
+    """The seed of the round cost surface (cost.py) on this machine: timed verify stages (the
+    target forward keeping the draft's target layers, then the head) over R requests of k rows
+    (R in 1, 2, 4, ... <= max_requests; k in 1, gamma // 2 + 1, gamma + 1), writes deferred and
+    dropped (the cache is not touched), and with a `drafter` its draft step
     over the same R requests; one untimed warm-up each, best of two. The four corners (fewest and
     most requests, fewest and most rows) come first and always; the points between follow until
     `budget_s` is spent, so a loaded machine interpolates between measured extremes instead of
@@ -339,6 +340,19 @@ def measure_cost(
     extremes = (ks[0], ks[-1]) if given is None else ks
     corners = list(dict.fromkeys((R, k) for R in (Rs[0], Rs[-1]) for k in extremes))
     order = corners + [(R, k) for R in Rs for k in ks if (R, k) not in corners]
+    # what a round's verify stage runs (engine.py): the forward keeping the draft's target layers,
+    # then the head over its rows (on the tiny model that closed none of the gap between
+    # predicted and measured rounds measurably; on DeepSeek-V4 the 129K-row head is not small)
+    layer_ids = tuple(getattr(drafter, "layer_ids", ()) or (graphs.layer_ids if graphs is not None else ()))
+    head = getattr(trunk, "compute_logits", None)
+
+    def verify(segs, ids, pos):
+        aux = {"layer_ids": layer_ids}
+        h = None if graphs is None else graphs.run(segs, ids, pos, [], dict(aux))
+        if h is None:
+            h = trunk(ids, pos, segs, cache, pending=[], aux=aux)
+        return h if head is None else head(h)
+
     draft_of = {}  # R -> seconds of its draft step (0 without a drafter), in measuring order
     plain = []  # (R, seconds) of the one-row forwards alone: a plain decode step (guard.py reads them)
     for i, (R, k) in enumerate(order):
@@ -347,13 +361,7 @@ def measure_cost(
         segs = [Segment(0, start, k)] * R
         ids = torch.zeros(R * k, dtype=torch.long, device=dev)
         pos = torch.arange(start, start + k, device=dev).repeat(R)
-        aux = {"layer_ids": graphs.layer_ids} if graphs is not None else None
-        if graphs is None:
-            t = best_of(lambda: trunk(ids, pos, segs, cache, pending=[]))
-        else:
-            t = best_of(
-                lambda: graphs.run(segs, ids, pos, [], dict(aux)) is None and trunk(ids, pos, segs, cache, pending=[])
-            )
+        t = best_of(lambda: verify(segs, ids, pos))
         points.append((R, R * k if graphs is None else graphs.rows_for(R * k), t + draft_of[R]))
         if k == 1:
             plain.append((R, t))

@@ -222,12 +222,19 @@ def test_the_plain_timing_is_read_from_a_startup_seed_without_timing_twice(monke
     from sglang_dsv4_ascend.speculative import planner as P
     from sglang_dsv4_ascend.speculative.guard import plain_round_seconds
 
-    calls = []
+    calls, layers = [], set()
 
-    def trunk(ids, pos, segs, cache, pending=None):
-        calls.append(("forward", ids.shape[0]))
+    class Trunk:
+        def __call__(self, ids, pos, segs, cache, pending=None, aux=None):
+            calls.append(("forward", ids.shape[0]))
+            layers.add(aux["layer_ids"])
+            return ids.shape[0]
 
-    drafter = SimpleNamespace(draft=lambda slots, *a: calls.append(("draft", len(slots))))
+        def compute_logits(self, rows):
+            calls.append(("head", rows))
+
+    trunk = Trunk()
+    drafter = SimpleNamespace(draft=lambda slots, *a: calls.append(("draft", len(slots))), layer_ids=(10, 11))
 
     def clock(fn):  # best_of on the synthetic clock: the seconds of the call it runs
         n = len(calls)
@@ -239,6 +246,10 @@ def test_the_plain_timing_is_read_from_a_startup_seed_without_timing_twice(monke
     cache = SimpleNamespace(max_context_len=1000, device=torch.device("cpu"))
     seed = P.measure_cost(trunk, cache, 4, max_requests=4, budget_s=60.0, drafter=drafter)
     assert sorted(seed.plain_points) == [(1, 0.01), (2, 0.02), (4, 0.04)]
+    # every timed forward is a verify stage: the draft's target layers kept, the head over its
+    # rows right after it
+    assert layers == {(10, 11)}
+    assert all(calls[i + 1] == ("head", rows) for i, (kind, rows) in enumerate(calls) if kind == "forward")
     # the surface's own one-row points carry the draft: read as a plain step they would be 100x off
     assert sorted((R, t) for R, rows, t in seed.points if rows == R) == [(1, 1.01), (2, 1.02), (4, 1.04)]
     n = len(calls)
