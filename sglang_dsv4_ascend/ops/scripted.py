@@ -34,8 +34,6 @@ _compiled: dict = {}
 
 
 def _get(name: str):
-    import torch
-
     if torch.compiler.is_compiling():
         # A graph capture reads nothing here: scripting inside the trace (a process whose first
         # forward is the capture) broke the graph and left the captured forward running eager,
@@ -47,8 +45,6 @@ def _get(name: str):
 
 
 def _runtime(name: str):
-    import torch
-
     fn = _compiled.get(name)
     if fn is None:
         try:

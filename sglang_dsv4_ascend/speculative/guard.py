@@ -14,8 +14,8 @@ anchor row and the draft's state is extended as after any round, engine.SpecEngi
 class drafts for its first `first` rounds. If their median rate beats a plain step's by more than
 `sure` (a margin no noise of this size explains: at one request on this CPU drafting is 2x) it
 keeps drafting; a plain step's rate is then 1 / t_plain(R), `plain` timed at startup
-(planner.measure_cost over one row a request: the target forward alone, so it reads fast and
-errs toward trying plain steps; and t_plain(R) is the fastest timing at R or more requests,
+(planner.measure_cost over one row a request: the verify stage alone, target forward and head,
+so it reads fast and errs toward trying plain steps; and t_plain(R) is the fastest timing at R or more requests,
 since a timing taken while the machine was busy once read 40 ms at one request and 17 ms at
 two, and made drafting that accepted nothing look a sure win). Otherwise it runs `first` plain
 rounds and from then on takes whichever of the two measured medians is higher (ties: draft).
@@ -151,13 +151,14 @@ class Guard:
 
 
 def plain_round_seconds(trunk, cache, max_requests: int, agree=None, graphs=None, seed=None) -> tuple:
-    """([(R, seconds)], where they came from) of the target forward over R one-row requests, R in 1, 2, 4, ... <=
-    max_requests (planner.measure_cost: best of two, the cache untouched; `agree`, `graphs` as
-    there): the startup estimate of a plain step's cost. A cost seed the worker measured at
-    startup anyway (DSpark adaptive's surface, NextN's shapes) already holds these forwards
-    (`plain_points`: one row a request, the draft's time apart): when it timed every batch size,
-    they are read from it and nothing is timed twice. Otherwise (no seed, or its time budget ran
-    out before the batch sizes between the extremes) they are timed here."""
+    """([(R, seconds)], where they came from) of the verify stage (target forward and head) over
+    R one-row requests, R in 1, 2, 4, ... <= max_requests (planner.measure_cost: best of two, the
+    cache untouched; `agree`, `graphs` as there): the startup estimate of a plain step's cost. A
+    cost seed the worker measured at startup anyway (DSpark adaptive's surface, NextN's shapes)
+    already holds these forwards (`plain_points`: one row a request, the draft's time apart):
+    when it timed every batch size, they are read from it and nothing is timed twice. Otherwise
+    (no seed, or its time budget ran out before the batch sizes between the extremes) they are
+    timed here."""
     points = getattr(seed, "plain_points", None) or []
     source = "read from the startup cost seed"
     if not set(batch_sizes(max_requests)) <= {R for R, _ in points}:

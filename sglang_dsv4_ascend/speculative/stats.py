@@ -19,9 +19,6 @@ class StageStats:
         self.request_rounds = 0
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.drafted = self.verified = self.committed = 0
-        # request-rounds that drafted (a plain step drafts nothing) and the drafts they accepted:
-        # their ratio is the acceptance a plain step does not dilute
-        self.drafting_request_rounds = self.accepted = 0
         # [k-1]: request-rounds that tested draft k (verified it, and accepted drafts 1..k-1), and
         # those that accepted it: their ratio is the conditional acceptance at position k
         self.verified_at = []
@@ -52,9 +49,6 @@ class StageStats:
             self.drafted += drafted
             self.verified += tree.n - 1
             self.committed += len(path)
-            if tree.n > 1:
-                self.drafting_request_rounds += 1
-                self.accepted += len(path) - 1
             # draft k was tested when drafts 1..k-1 were accepted and the node accepted last had a
             # child: in a tree that node may be a leaf while another branch reaches deeper
             tested = len(path) - (not tree.children(path[-1]))
@@ -79,8 +73,11 @@ class StageStats:
             "committed_tokens": self.committed,
             "verified_per_request_round": round(self.verified / rr, 4),
             "accept_length": round(self.committed / rr, 4),
-            "drafting_request_rounds": self.drafting_request_rounds,
-            "accepted_drafts": self.accepted,
+            # request-rounds that drafted (draft 1 is tested in every one; a plain step drafts
+            # nothing) and the drafts they accepted: their ratio is the acceptance that plain
+            # steps do not dilute
+            "drafting_request_rounds": self.verified_at[0] if self.verified_at else 0,
+            "accepted_drafts": sum(self.accepted_at),
             "acceptance_by_position": [
                 round(a / v, 4) if v else None for a, v in zip(self.accepted_at, self.verified_at)
             ],

@@ -126,6 +126,9 @@ class DSV4SpecWorker(BaseSpecWorker):
         self.engine = None
         self.pd_prefill = str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
         self.stats = StageStats()
+        # the startup cost seed (DSpark adaptive's surface, NextN's shapes), if one is measured: its
+        # one-row forwards are the guard's plain step too
+        self._seed = None
         # Every TP rank runs this worker on the same batch; its decisions must agree
         # (distributed/spec_sync.py says how each one does).
         self.sync = RankSync.from_sglang()
@@ -213,7 +216,7 @@ class DSV4SpecWorker(BaseSpecWorker):
                     graphs=self.engine.graphs,
                 )
                 seed = self.sync.broadcast(seed)  # timings differ per rank; rank 0's plans for all
-                self._seed = seed  # its one-row forwards are the guard's plain step too
+                self._seed = seed
             planner.use(seed, agree=self.decisions.broadcast)  # refits agree over the deciding ranks
             if self.engine.graphs is not None:  # a budget is priced at its bucket's rows: filled up
                 planner.pad = self.engine.graphs.rows_for
@@ -236,23 +239,20 @@ class DSV4SpecWorker(BaseSpecWorker):
 
     def _guard(self):
         """Drafting only where it measured faster than plain decode steps (speculative/guard.py)."""
-        if settings.SPEC_GUARD.get():
-            max_requests = min(self.cache.num_slots, 16)
-            graphs = self.engine.graphs
-            seed = getattr(self, "_seed", None)  # a startup cost seed that timed plain steps already
-            plain, self._plain_source = plain_round_seconds(
-                self.model.model, self.cache, max_requests, agree=self.sync.any, graphs=graphs, seed=seed
-            )
-            plain = self.sync.broadcast(plain)  # timings differ per rank; rank 0's for all
-            self.engine.guard = Guard(agree=self.decisions.broadcast, plain=plain)
-        guard = self.engine.guard
+        if not settings.SPEC_GUARD.get():
+            logger.info("dsv4_ascend speculation guard: off (%s=0)", settings.SPEC_GUARD.name)
+            return
+        max_requests = min(self.cache.num_slots, 16)
+        plain, source = plain_round_seconds(
+            self.model.model, self.cache, max_requests, agree=self.sync.any, graphs=self.engine.graphs, seed=self._seed
+        )
+        plain = self.sync.broadcast(plain)  # timings differ per rank; rank 0's for all
+        guard = self.engine.guard = Guard(agree=self.decisions.broadcast, plain=plain)
         logger.info(
-            "dsv4_ascend speculation guard: %s",
-            f"on (per batch size, no drafting where plain decode steps measure faster); plain step at startup, "
-            f"{self._plain_source} (the fastest at that many requests or more), ms "
-            f"{[(R, round(t * 1e3, 2)) for R, t in guard.plain]}"
-            if guard is not None
-            else f"off ({settings.SPEC_GUARD.name}=0)",
+            "dsv4_ascend speculation guard: on (per batch size, no drafting where plain decode steps measure "
+            "faster); plain step at startup, %s (the fastest at that many requests or more), ms %s",
+            source,
+            [(R, round(t * 1e3, 2)) for R, t in guard.plain],
         )
 
     def _plan_shapes(self):
@@ -262,7 +262,7 @@ class DSV4SpecWorker(BaseSpecWorker):
         planner = ShapePlanner(self.topk, self.num_steps, self.num_draft_tokens, agree=self.decisions.broadcast)
         seed, drafts = measure_shapes(eng, planner, min(self.cache.num_slots, 16), agree=self.sync.any)
         seed, drafts = self.sync.broadcast((seed, drafts))  # timings differ per rank; rank 0's for all
-        self._seed = seed  # its one-row forwards (the plain shape) are the guard's plain step too
+        self._seed = seed
         planner.seed(seed, drafts)
         if eng.graphs is not None:
             planner.pad = eng.graphs.rows_for

@@ -100,8 +100,6 @@ class DeepestBranch(StageStats):
             self.request_rounds += 1
             self.verified += tree.n - 1
             self.committed += len(path)
-            self.drafting_request_rounds += tree.n > 1
-            self.accepted += len(path) - 1
             depth = max(tree.depth()) if tree.n > 1 else 0
             while len(self.verified_at) < depth:
                 self.verified_at.append(0)
