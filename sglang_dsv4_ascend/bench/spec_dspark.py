@@ -53,16 +53,10 @@ class DSparkInProcess:
         self.model = types.SimpleNamespace(model=trunk, dspark=self.draft, cfg=trunk.cfg)
         self.guard = settings.SPEC_GUARD.get()  # the speculation guard in every spec run, as served
 
-    @torch.no_grad()
-    def spec(self, prompts, gamma: int, mode: str, cost, drafter_factory, new_tokens: int, max_len: int) -> dict:
-        from ..batch import Segment
-        from ..speculative.engine import STAGES, SpecEngine
-        from ..speculative.planner import Planner
+    def engine(self, cache, gamma: int, drafter_factory, planner=None):
+        from ..speculative.engine import SpecEngine
 
-        B = len(prompts)
-        cache = self.trunk.make_cache(B, max_len, gamma + 1)
-        planner = Planner(gamma, mode, cost)
-        eng = SpecEngine(
+        return SpecEngine(
             self.model,
             cache,
             drafter_factory,
@@ -73,6 +67,27 @@ class DSparkInProcess:
             num_steps=gamma,
             num_draft_tokens=gamma + 1,
         )
+
+    def seed_cost(self, gamma: int, max_requests: int, max_len: int, budget_s: float = 10.0):
+        """The adaptive planner's startup seed as the worker measures it (speculative/worker.py):
+        the verify stage and the checkpoint's draft step, on a cache of its own."""
+        from ..speculative.drafters import DSparkDrafter
+        from ..speculative.planner import measure_cost
+
+        cache = self.trunk.make_cache(1, max_len, gamma + 1)
+        drafter = self.engine(cache, gamma, DSparkDrafter).drafter
+        return measure_cost(self.trunk, cache, gamma, max_requests=max_requests, budget_s=budget_s, drafter=drafter)
+
+    @torch.no_grad()
+    def spec(self, prompts, gamma: int, mode: str, cost, drafter_factory, new_tokens: int, max_len: int) -> dict:
+        from ..batch import Segment
+        from ..speculative.engine import STAGES
+        from ..speculative.planner import Planner
+
+        B = len(prompts)
+        cache = self.trunk.make_cache(B, max_len, gamma + 1)
+        planner = Planner(gamma, mode, cost)
+        eng = self.engine(cache, gamma, drafter_factory, planner)
         eng.guard = guard(self.guard, self.trunk, cache, B)
         segs = [Segment(b, 0, len(p)) for b, p in enumerate(prompts)]
         ids = torch.tensor([t for p in prompts for t in p])
@@ -135,7 +150,6 @@ def run(
     from ..models.weights import load_model_from_dir
     from ..speculative.cost import describe
     from ..speculative.drafters import DSparkDrafter, ReplayDrafter
-    from ..speculative.planner import measure_cost
 
     ds_ckpt, nx_ckpt = ckpts["dspark"], ckpts["nextn"]
     nx = InProcess(nx_ckpt)
@@ -147,10 +161,8 @@ def run(
     gamma = gamma or ds.trunk.cfg.dspark_block_size
     max_len = prompt_len + new_tokens + gamma + 2
     prompts_all = prompt_ids(ds_ckpt, max(batches), prompt_len)
-    cost = measure_cost(
-        ds.trunk, ds.trunk.make_cache(1, max_len, gamma + 1), gamma, max_requests=max(batches), budget_s=10.0
-    )
-    log(f"round cost seed (the verify forward; the rest is learned online): {describe(cost)} ({cost.source})")
+    cost = ds.seed_cost(gamma, max(batches), max_len)
+    log(f"round cost seed (verify stage and draft step; the rest is learned online): {describe(cost)} ({cost.source})")
     for B in batches:  # warm-up, untimed (TorchScript profiles its first runs)
         ds.spec(prompts_all[:B], gamma, "static", None, DSparkDrafter, 3, max_len)
         nx.spec(prompts_all[:B], (1, gamma, gamma + 1), drafter_factory("nextn", None), 3, max_len)

@@ -293,7 +293,12 @@ def load(path: str, max_requests: int = 16, max_rows: int = 80):
 class OnlineCost:
     """The surface refined from the rounds themselves: each round's (R, m, seconds) and its draft
     stage's seconds go into per-cell rings (the last `keep` samples of that exact (R, m)); every
-    `every` rounds the surface is refitted to the cells' medians, pulled toward the seed. A sample
+    `every` rounds, and early at the rounds in `early`, the surface is refitted to the cells'
+    medians, pulled toward the seed. The early refits are there because a seed is one best-of-two
+    timing of the verify stage and the draft taken at startup: it knows nothing of the round's
+    other stages nor of the load the server runs under, and on this CPU it was 15-45 % below the
+    rounds, which `every` rounds of waiting would have kept for the first 16 rounds of every
+    batch size. A sample
     more than `outlier`x off the current prediction (a page fault, a GC pause, the first call of
     a shape) is counted and dropped, unless more than `every` of the last 2 * `every` rounds
     were that far off: then the surface is what is wrong (a seed measured on a loaded machine, a table from
@@ -303,6 +308,7 @@ class OnlineCost:
 
     cost: RoundCost
     every: int = 16
+    early: tuple = (4, 8)
     keep: int = 9
     outlier: float = 4.0
     max_cells: int = 512
@@ -340,7 +346,7 @@ class OnlineCost:
                 self.cells.popitem(last=False)
             if draft_seconds is not None and draft_seconds > 0:
                 self.drafts.setdefault(int(requests), deque(maxlen=self.keep)).append(draft_seconds)
-        if self.rounds % self.every == 0:
+        if self.rounds % self.every == 0 or self.rounds in self.early:
             self.refit()
 
     def refit(self) -> None:

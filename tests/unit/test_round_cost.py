@@ -236,11 +236,36 @@ def test_online_refinement_converges_and_ignores_outliers():
     _feed(online, 3000, random.Random(0))
     assert _worst_error(online.cost) < 0.08, _worst_error(online.cost)
     assert online.cost.draft(8) == pytest.approx(0.008, rel=0.05)
-    assert online.dropped > 100 and online.refits == 3000 // online.every
+    assert online.dropped > 100 and online.refits == 3000 // online.every + len(online.early)
     assert len(online.cells) <= 200
     broken = C.OnlineCost(seed, keep=1, outlier=1e9, max_cells=200)
     _feed(broken, 3000, random.Random(0))
     assert _worst_error(broken.cost) > 0.15, _worst_error(broken.cost)
+
+
+def test_a_seed_off_by_a_third_is_corrected_within_four_rounds():
+    """A startup seed 35 % below the rounds (what this CPU measured: the seed times the verify stage
+    and the draft alone, best of two): four rounds of one batch size bring that batch size's
+    prediction within 10 % of the rounds, and the refit stays within 10 % while every 16th round
+    refits again. The broken variant (refits every 16 rounds only) still predicts the seed after
+    four rounds."""
+
+    def rounds(online, n, rng):
+        for _ in range(n):
+            online.observe(4, 12, 1.35 * (_truth(4, 12) + 0.004) * rng.uniform(0.97, 1.03), 0.004)
+
+    seed = C.from_points([(R, m, _truth(R, m) + 0.001 * R) for R in (1, 4, 16) for m in (R, 5 * R)], 16, 80)
+    seed.draft_s = [0.001 * p for p in seed.bs_probes]
+    want = 1.35 * (_truth(4, 12) + 0.004)
+    online = C.OnlineCost(seed)
+    rng = random.Random(5)
+    rounds(online, 4, rng)
+    assert online.cost(4, 12) == pytest.approx(want, rel=0.1)
+    rounds(online, 28, rng)
+    assert online.cost(4, 12) == pytest.approx(want, rel=0.1)
+    broken = C.OnlineCost(seed, early=())
+    rounds(broken, 4, random.Random(5))
+    assert broken.cost(4, 12) < 0.8 * want
 
 
 def test_a_coarse_table_is_refined_between_and_beyond_its_probes(monkeypatch):
@@ -305,7 +330,7 @@ def test_ranks_plan_with_rank_zeros_refit():
             else:
                 _feed(online, 16, rng)
         assert ranks[0].cost == ranks[1].cost
-    assert calls == [10, 10]
+    assert calls == [10 + len(ranks[0].early)] * 2
 
 
 # -- confidence calibration -------------------------------------------------------------------------
