@@ -136,6 +136,16 @@ COMPILE_BACKEND = _setting(
     "code generation), or only dynamo's trace (aot_eager, eager: fast capture, to debug or test the capture)",
     choices=("inductor", "aot_eager", "eager"),
 )
+GRAPH_CONTEXT = _setting(
+    name="SGLANG_DSV4_GRAPH_CONTEXT",
+    kind="int",
+    default=4096,
+    shape="N",
+    meaning="the longest committed context a captured forward holds (decode, verify), in tokens: its compressed-entry "
+    "tables are that wide whatever --context-length is; a step with a longer request runs eager (default 4096; "
+    "--context-length or more: every request replays, at the whole cache's width)",
+    minimum=128,
+)
 MAX_REQUEST_BYTES = _setting(
     name="SGLANG_DSV4_MAX_REQUEST_BYTES",
     kind="int",

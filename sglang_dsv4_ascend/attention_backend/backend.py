@@ -73,6 +73,7 @@ class DSV4AscendBackend(AttentionBackend):
         self.resumed: list = []
         self.graph_plans = None  # kvcache/plan.py PlanBuffers once a graph runner asks for graph state
         self.graph_bs: set = set()  # captured decode batch sizes
+        self.graph_context = None  # Bucket.context of the captured decodes (kv_plan.graph_context)
         self._replayed: set = set()
 
     @property
@@ -87,12 +88,14 @@ class DSV4AscendBackend(AttentionBackend):
         static = forward_batch.forward_mode.is_decode() and forward_batch.batch_size in self.graph_bs
         if static:  # the graph runner's padding rows (SGLang's reserved request slot) are not requests
             segments = [s for s in segments if s.slot != PADDING_SLOT]
+            # a request past the captured context: the runner ran this step eager (graph_holds)
+            static = kv_plan.fits(segments, self.graph_context)
         if self.cache.prefix is not None:
             self._resume_prefix_hits(segments)
             self._want_hinted_states(segments, getattr(forward_batch, "rids", None))
         plan = None
         if static:
-            bucket = kv_plan.Bucket(forward_batch.batch_size, 1)
+            bucket = kv_plan.Bucket(forward_batch.batch_size, 1, self.graph_context)
             plan = self.graph_plans.load(segments, bucket)
             if bucket not in self._replayed:
                 self._replayed.add(bucket)
@@ -114,8 +117,22 @@ class DSV4AscendBackend(AttentionBackend):
                 "or run without --enable-torch-compile"
             )
         self.graph_plans = kv_plan.PlanBuffers(self.cache)
+        self.graph_context = kv_plan.graph_context(self.cache, settings.GRAPH_CONTEXT.get())
+        if self.graph_context is not None:
+            logger.info(
+                "dsv4_ascend: captured decodes hold contexts up to %d tokens (%s); longer requests decode eager",
+                self.graph_context,
+                settings.GRAPH_CONTEXT.name,
+            )
 
     init_cuda_graph_state = init_cpu_graph_state
+
+    def graph_holds(self, forward_batch) -> bool:
+        """Whether a captured decode holds this batch's requests (the graph runner asks before it
+        replays, `integration/graph_runner.py`): none has more committed tokens than the captured
+        context. `init_forward_metadata` makes the same test, so a step the runner runs eager gets
+        an eager plan."""
+        return kv_plan.fits(segments_from_batch(forward_batch), self.graph_context)
 
     def init_forward_metadata_capture_cpu_graph(
         self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc, encoder_lens, forward_mode, spec_info
@@ -124,7 +141,9 @@ class DSV4AscendBackend(AttentionBackend):
         if not forward_mode.is_decode() or num_tokens != bs:
             raise ValueError(f"dsv4_ascend captures decode batches only (one row per request), got {forward_mode}")
         self.graph_bs.add(bs)
-        self.forward_metadata = DSV4ForwardMetadata([], self.graph_plans.load([], kv_plan.Bucket(bs, 1)))
+        self.forward_metadata = DSV4ForwardMetadata(
+            [], self.graph_plans.load([], kv_plan.Bucket(bs, 1, self.graph_context))
+        )
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """The CUDA / NPU graph runners' host step (unverified on those devices: no such runner has

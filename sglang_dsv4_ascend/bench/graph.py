@@ -15,6 +15,11 @@ dtype (bf16); the random presets in fp32. Times are medians of `--reps` after th
 own captured forwards (speculative/graphs.py) against their eager forms: the target verify of b
 whole blocks (b x 5 rows, writes deferred and dropped: VerifyGraphs) and the DSpark draft block
 of b requests with its greedy Markov chain (DraftGraphs), each with its capture time.
+
+Decode and verify are captured at SGLANG_DSV4_GRAPH_CONTEXT's bound, as a server captures them
+(kvcache/plan.py: committed-entry tables that wide), and where that bound is below `--capacity`
+also at the whole cache's width, side by side (`whole_cache_graph_ms`, `whole_cache_capture_s`):
+what the bound saves.
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ def _row(batch, capture_s, eager_ms, graph_ms, eager_logits, graph_logits) -> di
     }
 
 
+def _bound(cache, context: int):
+    """The captured forwards' context bound, as the server sets it; refused below the requests'."""
+    from .. import settings
+    from ..kvcache.plan import graph_context
+
+    bound = graph_context(cache, settings.GRAPH_CONTEXT.get())
+    if bound is not None and bound < context:
+        raise SystemExit(f"--context {context} is above {settings.GRAPH_CONTEXT.name}={bound}: those steps run eager")
+    return bound
+
+
+def _whole_cache(row, capture_s, graph_ms) -> None:
+    row["whole_cache_capture_s"] = round(capture_s, 1)
+    row["whole_cache_graph_ms"] = round(graph_ms, 2)
+    row["bound_speedup_over_whole_cache"] = round(graph_ms / row["graph_ms"], 2)
+
+
 def run(model_name: str, batches, compiler: str, context: int, reps: int, capacity: int) -> dict:
     from ..batch import Segment
     from ..kvcache.plan import Bucket, PlanBuffers, build_plan
@@ -57,6 +79,7 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
     model = _model(model_name)
     slots = max(batches) + 1  # slot 0 unused, as SGLang reserves it
     cache = model.make_cache(slots, capacity)
+    bound = _bound(cache, context)
     g = torch.Generator().manual_seed(0)
     for s in range(1, slots):
         ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
@@ -80,8 +103,8 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         def eager():
             return model.compute_logits(model(ids, pos, segs, cache, pending=[], plan=build_plan(segs, cache)))
 
-        def graph():
-            return captured(ids, pos, buffers.load(segs, Bucket(b, 1)))
+        def graph(ctx=bound):
+            return captured(ids, pos, buffers.load(segs, Bucket(b, 1, ctx)))
 
         t0 = time.perf_counter()
         out_g = graph()  # the capture (compilation) happens on the first call
@@ -90,6 +113,10 @@ def run(model_name: str, batches, compiler: str, context: int, reps: int, capaci
         # both already ran once (the capture, the reference logits): no further warm-up
         eager_ms, graph_ms = median_ms(eager, reps, warmup=False), median_ms(graph, reps, warmup=False)
         row = _row(b, capture_s, eager_ms, graph_ms, out_e, out_g)
+        if bound is not None:
+            t0 = time.perf_counter()
+            graph(None)
+            _whole_cache(row, time.perf_counter() - t0, median_ms(lambda: graph(None), reps, warmup=False))
         rows.append(row)
         print(f"batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
     return {"decode": rows}
@@ -122,6 +149,7 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
         num_draft_tokens=gamma + 1,
     )
     cache, layer_ids = eng.cache, eng.drafter.layer_ids
+    bound = _bound(cache, context)
     g = torch.Generator().manual_seed(0)
     for s in range(1, slots):  # a context for the target and the draft's rings
         ids = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
@@ -133,29 +161,32 @@ def run_spec(batches, parts, compiler: str, context: int, reps: int, capacity: i
     compile_fn = lambda f: torch.compile(f, dynamic=False, backend=compiler)  # noqa: E731
     width, out = gamma + 1, {}
 
-    def compare(name, b, capture_s, eager, graph, logits):
+    def compare(name, b, capture_s, eager, graph, logits, whole=None):
         eager_ms, graph_ms = median_ms(eager, reps), median_ms(graph, reps)
         row = _row(b, capture_s, eager_ms, graph_ms, logits(eager()), logits(graph()))
+        if whole is not None:  # (capture seconds, the forward) at the whole cache's width
+            _whole_cache(row, whole[0], median_ms(whole[1], reps))
         out.setdefault(name, []).append(row)
         print(f"{name} {b}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch"), file=sys.stderr)
 
     if "verify" in parts:
         for b in batches:
-            one = VerifyGraphs(model, cache, width, [b * width], layer_ids, compile_fn)
-            t0 = time.perf_counter()
-            one.capture(log=lambda msg: None)
-            capture_s = time.perf_counter() - t0
             segs = [Segment(s, context, width) for s in range(1, b + 1)]
             ids = torch.randint(0, model.cfg.vocab_size, (b * width,), generator=g)
             pos = torch.arange(context, context + width).repeat(b)
+            captured = {}
+            for ctx in [bound] + ([None] if bound is not None else []):
+                one = VerifyGraphs(model, cache, width, [b * width], layer_ids, compile_fn, context=ctx)
+                t0 = time.perf_counter()
+                one.capture(log=lambda msg: None)
+                spent = time.perf_counter() - t0
+                captured[ctx] = (spent, lambda one=one: one.run(segs, ids, pos, [], {"layer_ids": layer_ids}))
 
             def eager():
                 return model(ids, pos, segs, cache, pending=[], aux={"layer_ids": layer_ids})
 
-            def graph():
-                return one.run(segs, ids, pos, [], {"layer_ids": layer_ids})
-
-            compare("verify", b, capture_s, eager, graph, model.compute_logits)
+            capture_s, graph = captured.pop(bound)
+            compare("verify", b, capture_s, eager, graph, model.compute_logits, captured.get(None))
     if "draft" in parts:
         for b in batches:
             one = DraftGraphs(draft, eng.drafter.ctx, gamma, [b], model.embed, model.compute_logits, compile_fn)

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from .. import settings
 from .inproc import median_ms, tiny_model
 
 
@@ -198,6 +199,7 @@ def _graph_main(a, ap) -> int:
             "compiler": a.compiler,
             "capacity": a.capacity,
             "context": a.context,
+            "graph_context": settings.GRAPH_CONTEXT.get(),
             "batch": batches,
             "parts": parts,
             "reps": a.reps,

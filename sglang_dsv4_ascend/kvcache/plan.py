@@ -36,11 +36,19 @@ The lists are computed here, on the host, for every accepted-prefix variant a sp
 asks for, so that no layer needs a data-dependent shape.
 
 Static shapes (`Bucket`). For graph capture a decode or verify forward is padded to a bucket: T
-rows, at most `seg_tokens` per request. Every tensor of the plan then has a shape fixed by the
-bucket and the cache alone (committed-entry widths at the cache's capacity, new entries padded to
-T, write lists padded to T rows), so the layers issue the same ops on the same shapes every step.
-Padding rows see no key (their output is 0 and is discarded), and write to the cache's scratch
-slot and scratch entry rows, which no request reads.
+rows, at most `seg_tokens` per request, no request with more than `context` committed tokens.
+Every tensor of the plan then has a shape fixed by the bucket and the cache alone (committed-entry
+widths at `context` (the cache's capacity when None), new entries padded to T, write lists padded
+to T rows), so the layers issue the same ops on the same shapes every step. Padding rows see no
+key (their output is 0 and is discarded), and write to the cache's scratch slot and scratch entry
+rows, which no request reads.
+
+Why a bucket bounds the context: the reference ops score and gather every column of a committed
+table, valid or not, so a plan as wide as the cache costs what the longest possible request costs
+on every step. With the committed tables at the cache's 32,768 tokens, a captured verify of 4
+blocks of the shipped model took 382 ms against 95 ms eager, and 113 ms with a 512-token cache
+(`bench step --graph`, dynamo's trace); at DeepSeek-V4's 1M context every row would score 256K
+C4 entries. Requests past the bound run eager (`fits`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,21 @@ import torch
 class Bucket:
     rows: int  # T of the padded forward
     seg_tokens: int  # most tokens one request has in it (1 for decode, the verify width)
+    context: int | None = None  # most committed tokens one request has (None: the cache's capacity)
+
+
+def graph_context(cache, bound: int) -> int | None:
+    """The `Bucket.context` a captured forward on `cache` uses for a bound of `bound` committed
+    tokens (SGLANG_DSV4_GRAPH_CONTEXT): None (the whole cache) where the bound reaches the cache's
+    capacity or the cache has no compressed entries (its width is the window's alone)."""
+    if bound >= cache.capacity or not any(cache_ratios(cache)):
+        return None
+    return int(bound)
+
+
+def fits(segments, context: int | None) -> bool:
+    """Whether every segment's committed length is within a bucket's `context`."""
+    return context is None or max((s.start for s in segments), default=0) <= context
 
 
 @dataclass
@@ -276,6 +299,9 @@ def _check_bucket(bucket: Bucket, segments, T: int, cache) -> None:
     smallest_ring = min([cache.window_ring] + [cache.rows_ring(r) for r in cache_ratios(cache) if r])
     if T > bucket.rows or longest > bucket.seg_tokens:
         raise ValueError(f"bucket {bucket}: the forward has {T} rows and up to {longest} per request")
+    if not fits(segments, bucket.context):
+        reach = max(s.start for s in segments)
+        raise ValueError(f"bucket {bucket}: a request has {reach} committed tokens, above the bucket's context")
     if bucket.seg_tokens > smallest_ring:
         raise ValueError(
             f"bucket {bucket}: seg_tokens above the smallest ring ({smallest_ring} rows); "
@@ -324,7 +350,8 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
         max_committed = int(j0.max()) if len(j0) else 0
         n_tab, Ep = len(seg_L), E
     else:  # static: widths from the bucket and the cache, E padded to T
-        max_new, max_committed = -(-bucket.seg_tokens // r), cache.capacity // r
+        context = cache.capacity if bucket.context is None else bucket.context
+        max_new, max_committed = -(-bucket.seg_tokens // r), context // r
         n_tab, Ep = bucket.rows + 1, bucket.rows
     Pe = Ep - E  # padding entries: pooled from nothing, stored in the scratch entry row
     if Pe:
@@ -358,7 +385,7 @@ def _ratio_plan(r, cache, seg_slot, seg_L, seg_n, seg_first, row_pos, row_L, rea
         blk_fresh=dev(blk_fresh),
         blk_from_ring=dev(blk_from_ring),
         blk_ok=dev(blk_ok),
-        slot_entries=ts[:, ::r],
+        slot_entries=ts[:, ::r] if bucket is None or bucket.context is None else ts[:, ::r][:, :max_committed],
         com_hi=dev(row_j0),
         new_table=dev(new_table),
         new_hi=dev(new_hi),

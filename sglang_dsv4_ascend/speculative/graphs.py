@@ -15,8 +15,10 @@ state and never changes a decision (the logits of real rows do not depend on it)
 What the graph reads of the round is the bucket's persistent plan (kvcache/plan.PlanBuffers),
 refreshed in place on the host before each replay, as SGLang's graph runners refresh the decode's
 metadata. How a forward becomes replayable is the device's (`device.capture_graph`); a round that
-fits no bucket runs eager. A NextN draft step is the same kind of forward on the draft's cache
-(each leaf's path from the committed length, writes discarded), so it is captured the same way.
+fits no bucket (more rows than the largest, or a request with more committed tokens than
+SGLANG_DSV4_GRAPH_CONTEXT, kvcache/plan.py) runs eager. A NextN draft step is the same kind of
+forward on the draft's cache (each leaf's path from the committed length, writes discarded),
+so it is captured the same way.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ class RowGraphs:
 
     what = "forward"
 
-    def __init__(self, cache, seg_tokens: int, rows: tuple, compile_fn=None):
-        """`rows`: the buckets' row counts; `seg_tokens`: the most rows one segment has."""
+    def __init__(self, cache, seg_tokens: int, rows: tuple, compile_fn=None, context: int | None = None):
+        """`rows`: the buckets' row counts; `seg_tokens`: the most rows one segment has; `context`:
+        the most committed tokens a request of a captured round has (kv_plan.graph_context; None:
+        any), a round with a longer one runs eager."""
         if compile_fn is None:
             from ..device import capture_graph as compile_fn
         self.cache = cache
-        self.buckets = [kv_plan.Bucket(r, seg_tokens) for r in sorted(set(rows))]
+        self.context = context
+        self.buckets = [kv_plan.Bucket(r, seg_tokens, context) for r in sorted(set(rows))]
         self.buffers = kv_plan.PlanBuffers(cache)
         self.fn = compile_fn(self._forward)
         self.replays, self.replayed = 0, set()
@@ -75,10 +80,13 @@ class RowGraphs:
                 self._forward(ids, pos, plan, [], self._blank(b.rows))
             for _ in range(2):  # a warm-up run, then the one that is kept
                 self.fn(ids, pos, plan, [], self._blank(b.rows))
-            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {spent()}")
+            within = "" if b.context is None else f", contexts up to {b.context} tokens"
+            log(f"dsv4_ascend: {self.what} of {b.rows} rows{within} captured in {spent()}")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         if any(s.parents is not None for s in segments):  # node-once trees run eager (plan.py)
+            return None
+        if not kv_plan.fits(segments, self.context):  # a longer request: eager, at its own width
             return None
         T = sum(s.length for s in segments)
         longest = max((s.length for s in segments), default=0)
@@ -115,9 +123,9 @@ class VerifyGraphs(RowGraphs):
 
     what = "verify"
 
-    def __init__(self, trunk, cache, seg_tokens: int, rows: tuple, layer_ids=(), compile_fn=None):
+    def __init__(self, trunk, cache, seg_tokens: int, rows: tuple, layer_ids=(), compile_fn=None, context=None):
         self.trunk, self.layer_ids = trunk, tuple(layer_ids)
-        super().__init__(cache, seg_tokens, rows, compile_fn)
+        super().__init__(cache, seg_tokens, rows, compile_fn, context)
 
     def _forward(self, ids, pos, plan, pending, aux):
         return self.trunk(ids, pos, (), self.cache, pending=pending, aux=aux, plan=plan)

@@ -24,6 +24,7 @@ from sglang.srt.speculative.eagle_info import EagleDraftInput
 
 from .. import checkpoint, settings
 from ..distributed.spec_sync import RankSync
+from ..kvcache import plan as kv_plan
 from ..models.dspark import load_sts, sts_path
 from ..names import DSPARK_ALGO, SPEC_ALGOS
 from . import cost as cost_surface
@@ -291,11 +292,14 @@ class DSV4SpecWorker(BaseSpecWorker):
         width = self.num_steps + 1
         per_request = width if self.topk == 1 else width * (self.num_draft_tokens - 1)
         layer_ids = getattr(self.engine.drafter, "layer_ids", ())
-        graphs = VerifyGraphs(self.model.model, self.cache, width, [b * per_request for b in sizes], layer_ids)
+        context = kv_plan.graph_context(self.cache, settings.GRAPH_CONTEXT.get())
+        rows = [b * per_request for b in sizes]
+        graphs = VerifyGraphs(self.model.model, self.cache, width, rows, layer_ids, context=context)
         logger.info(
-            "dsv4_ascend: capturing the target verify for %s requests (%s rows, torch.compile with %s)",
+            "dsv4_ascend: capturing the target verify for %s requests (%s rows, %s, torch.compile with %s)",
             sizes,
             [b.rows for b in graphs.buckets],
+            "any context" if context is None else f"contexts up to {context} tokens ({settings.GRAPH_CONTEXT.name})",
             settings.COMPILE_BACKEND.get(),
         )
         graphs.capture()

@@ -57,7 +57,7 @@ class Runner:
         backend.init_cpu_graph_state(max(capture), max(capture))
         compiled = graph != "address"  # else a torch.compile backend
         self.fn = torch.compile(self._step, dynamic=False, backend=graph) if compiled else self._step
-        self.recorded = {}
+        self.recorded, self.eager_steps = {}, 0
         for bs in capture:
             backend.init_forward_metadata_capture_cpu_graph(bs, bs, None, None, None, None, ForwardMode.DECODE, None)
             self.recorded[bs] = backend.forward_metadata.plan  # what a device graph would read
@@ -72,6 +72,21 @@ class Runner:
 
     def decode(self, slots, contexts, ids):
         n = len(slots)
+        seq_lens = torch.tensor([contexts[s] + 1 for s in slots])
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=n,
+            req_pool_indices=torch.tensor(list(slots)),
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens,
+            positions=seq_lens - 1,
+        )
+        if not self.backend.graph_holds(batch):  # the runner's can_run_graph: this step runs eager
+            self.eager_steps += 1
+            self.backend.init_forward_metadata(batch)
+            meta = self.backend.forward_metadata
+            out = self.model(ids, batch.positions, meta.segments, self.backend.cache, plan=meta.plan)
+            return self.model.compute_logits(out)
         bs = self.capture[bisect.bisect_left(self.capture, n)]
         pad = bs - n
         seq_lens = torch.tensor([contexts[s] + 1 for s in slots] + [1] * pad)
@@ -129,12 +144,18 @@ def test_replay_equals_eager_across_buckets_joins_and_leaves(dsv4_model, graph, 
     def strict():
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
 
+    # captured up to 512 committed tokens of the 640-token cache: slot 4 decodes at 511 and 512
+    # replayed, and every later step with slot 4 runs eager
+    monkeypatch.setenv(settings.GRAPH_CONTEXT.name, "512")
     logits, state, runner = _run(dsv4_model("flash"), graph, 100, CONTEXTS, after_warmup=strict)
     assert logits < 1e-4 and state < 1e-4
+    with_slot_4 = sum(4 in LIVE[i % len(LIVE)] for i in range(100))
+    assert 0 < runner.eager_steps == with_slot_4 - 2
     # every captured size kept one plan, and its tensors are the ones recorded at capture
-    assert set(runner.backend.graph_plans.plans) == {kv_plan.Bucket(bs, 1) for bs in CAPTURE_BS}
+    assert set(runner.backend.graph_plans.plans) == {kv_plan.Bucket(bs, 1, 512) for bs in CAPTURE_BS}
     for bs, plan in runner.recorded.items():
-        assert runner.backend.graph_plans.plans[kv_plan.Bucket(bs, 1)] is plan
+        assert runner.backend.graph_plans.plans[kv_plan.Bucket(bs, 1, 512)] is plan
+        assert plan.ratios[4].max_committed == 512 // 4  # not the cache's 640 + slack
 
 
 @pytest.mark.skipif(not settings.TEST_INDUCTOR.get(), reason=f"{settings.TEST_INDUCTOR.name}=1 runs it (~2 min)")
@@ -249,3 +270,42 @@ def test_capture_is_decode_only_and_needs_the_batched_path(dsv4_model):
     backend.build_plans = False  # SGLANG_DSV4_ATTENTION=segments
     with pytest.raises(ValueError, match="SGLANG_DSV4_ATTENTION=segments"):
         backend.init_cpu_graph_state(4, 4)
+
+
+def test_the_runner_decodes_eager_past_the_captured_context(dsv4_model, monkeypatch):
+    """The plugin's CPU graph runner (SGLang's CPUGraphRunner, integration/graph_runner.py) asks the
+    backend before a replay: a batch with a request past SGLANG_DSV4_GRAPH_CONTEXT runs eager,
+    whatever its size. A runner on an SGLang whose overridden methods changed is refused."""
+    from sglang_dsv4_ascend.integration import graph_runner
+    from sglang_dsv4_ascend.integration.compat import UnsupportedSGLang
+
+    monkeypatch.setenv(settings.GRAPH_CONTEXT.name, "512")
+    model = dsv4_model("flash")
+    backend = _backend(model, model.make_cache(SLOTS, 640))
+    backend.init_cpu_graph_state(4, 4)
+    runner = object.__new__(graph_runner.cpu_graph_runner_cls())
+    runner.model_runner = SimpleNamespace(attn_backend=backend)
+    runner.disable_padding, runner.max_bs, runner.graphs = False, 4, {}
+
+    def batch(*lens):
+        seq = torch.tensor([n + 1 for n in lens])
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(lens),
+            req_pool_indices=torch.arange(1, len(lens) + 1),
+            seq_lens=seq,
+            seq_lens_cpu=seq,
+            positions=seq - 1,
+        )
+
+    assert runner.can_run_graph(batch(10, 512))
+    assert not runner.can_run_graph(batch(10, 513))
+    assert not runner.can_run_graph(batch(*[10] * 5))  # SGLang's own test: above the largest size
+
+    class Renamed:
+        def capture_one_batch_size(self, bs, forward, skip_cross_attention=False): ...
+
+        def can_run(self, forward_batch): ...
+
+    with pytest.raises(UnsupportedSGLang, match=r"can_run_graph\('self', 'forward_batch'\), found None"):
+        graph_runner._check_overridden(Renamed)

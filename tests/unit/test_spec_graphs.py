@@ -86,6 +86,9 @@ def setup(dsv4_model, tmp_path_factory):
 
 
 WIDTH, ROWS = 5, (5, 20)  # the captured verify: segments up to 5 tokens, 5 or 20 rows
+# and requests up to 256 committed tokens (SGLANG_DSV4_GRAPH_CONTEXT): slot 4's rounds run eager
+# once its 250-token prompt has grown past it
+CONTEXT = 256
 
 
 def _cache(model):
@@ -120,7 +123,7 @@ def captured(setup):
     torch._dynamo.reset()
     cache = _cache(model)
     compile_fn = lambda f: torch.compile(f, dynamic=False, backend="eager")  # noqa: E731
-    graphs = VerifyGraphs(model, cache, WIDTH, ROWS, compile_fn=compile_fn)
+    graphs = VerifyGraphs(model, cache, WIDTH, ROWS, compile_fn=compile_fn, context=CONTEXT)
     # As in a server, whose first forward is the capture: nothing built lazily yet (the
     # TorchScript mHC of ops/scripted.py scripted inside the trace, the MoE's expert stacks built
     # there: each broke the graph and left the served "captured" verify running mostly eager).
@@ -140,10 +143,11 @@ def captured(setup):
 
 def _serve(model, method, prompts, replay_path, captured=None):
     """Prefill every request, then rounds over LIVE until each has N_NEW tokens -> (tokens per
-    slot, engine, rounds that replayed the captured verify, rounds in all)."""
+    slot, engine, rounds that replayed the captured verify, rounds in all). `eng.reach` lists each
+    round's (longest committed length, whether it replayed)."""
     cache, graphs = captured if captured is not None else (None, None)
     eng = _engine(model, method, replay_path, cache)
-    eng.graphs, eng.plans = graphs, []
+    eng.graphs, eng.plans, eng.reach = graphs, [], []
     if graphs is not None and isinstance(eng.planner, Planner):
         eng.planner.pad = graphs.rows_for  # as the worker prices a captured verify
     replays = graphs.replays if graphs is not None else 0
@@ -158,8 +162,10 @@ def _serve(model, method, prompts, replay_path, captured=None):
         live = [s for s in LIVE[step % len(LIVE)] if len(got[s]) < N_NEW] or [s for s in got if len(got[s]) < N_NEW]
         step += 1
         hist = [prompts[s] + got[s] for s in live]
+        before = graphs.replays if graphs is not None else 0
         r = eng.round(live, [lens[s] for s in live], [got[s][-1] for s in live], None, hist, live)
         eng.plans.append((len(live), r.plan))
+        eng.reach.append((max(lens[s] for s in live), graphs is not None and graphs.replays > before))
         for s, e, a in zip(live, r.emitted, r.accept_lens):
             got[s] += e
             lens[s] += a
@@ -173,14 +179,19 @@ def _state_gap(a, b, slots) -> float:
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_captured_verify_equals_eager_and_plain_decoding(setup, captured, method, monkeypatch):
-    """A NextN tree round of more than one request (up to 40 rows) fits no bucket and runs eager,
-    the rest replay."""
+    """A round with a request past the buckets' context runs eager, and so does a NextN tree
+    round of more than one request (up to 40 rows: no bucket holds it); every other round
+    replays, and rounds move between the two on one cache."""
     model, prompts, want, replay = setup
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # every bucket traced at capture
     eager, eager_eng, _, _ = _serve(model, method, prompts, replay)
     got, eng, replayed, rounds = _serve(model, method, prompts, replay, captured)
     assert eager == want and got == want
-    assert 0 < replayed <= rounds and (replayed < rounds) == (method == "nextn_tree")
+    assert 0 < replayed < rounds
+    assert not any(done for reach, done in eng.reach if reach > CONTEXT)
+    assert any(reach > CONTEXT for reach, _ in eng.reach)
+    if method != "nextn_tree":
+        assert all(done for reach, done in eng.reach if reach <= CONTEXT)
     assert _state_gap(eng.cache, eager_eng.cache, prompts) < 1e-4
     graphs = captured[1]
     assert set(graphs.buffers.plans) == set(graphs.buckets)  # one persistent plan per bucket
@@ -198,7 +209,7 @@ def test_the_adaptive_budget_fills_the_bucket(setup, captured, monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     eager, eager_eng, *_ = _serve(model, "dspark_adaptive", prompts, replay)
     got, eng, replayed, rounds = _serve(model, "dspark_adaptive", prompts, replay, captured)
-    assert eager == want and got == want and replayed == rounds
+    assert eager == want and got == want and replayed == sum(reach <= CONTEXT for reach, _ in eng.reach)
 
     def unfilled(plans):
         return [(R, p["rows"]) for R, p in plans if p["rows"] not in (5, 20, R * 5)]
@@ -284,10 +295,12 @@ def test_stale_accepted_write_lists_are_caught(setup, captured, monkeypatch):
 
 def test_bucket_choice(captured):
     graphs = captured[1]
-    assert graphs.bucket_for([Segment(1, 10, 4)]) == kv_plan.Bucket(5, WIDTH)
-    assert graphs.bucket_for([Segment(1, 10, 5), Segment(2, 5, 1)]) == kv_plan.Bucket(20, WIDTH)
+    assert graphs.bucket_for([Segment(1, 10, 4)]) == kv_plan.Bucket(5, WIDTH, CONTEXT)
+    assert graphs.bucket_for([Segment(1, 10, 5), Segment(2, 5, 1)]) == kv_plan.Bucket(20, WIDTH, CONTEXT)
+    assert graphs.bucket_for([Segment(1, CONTEXT, 5), Segment(2, 5, 1)]) == kv_plan.Bucket(20, WIDTH, CONTEXT)
     assert graphs.bucket_for([Segment(s, 10, 5) for s in range(5)]) is None  # 25 rows
     assert graphs.bucket_for([Segment(1, 10, 6)]) is None  # wider than the captured width
+    assert graphs.bucket_for([Segment(1, 10, 1), Segment(2, CONTEXT + 1, 1)]) is None  # past the context
 
 
 def test_the_worker_captures_what_the_flags_ask():

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_dsv4_ascend.batch import Segment
+from sglang_dsv4_ascend.kvcache.cache import DSV4Cache
 from sglang_dsv4_ascend.kvcache.plan import Bucket, build_plan
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -137,3 +138,45 @@ def test_bucket_refuses_what_it_cannot_hold(dsv4_model):
         build_plan([Segment(0, 10, 5)], cache, bucket=Bucket(8, 4))
     with pytest.raises(ValueError, match="smallest ring"):
         build_plan([Segment(0, 10, 1)], cache, bucket=Bucket(64, 64))
+
+
+def test_a_context_bucket_is_as_wide_as_its_context_and_equals_unpadded(dsv4_model):
+    """A bucket bounded at 512 committed tokens on a 708-token cache: its committed tables (C4
+    entries and indexer keys, C128 entries) are 512 // r wide, not the cache's 708 // r (what a
+    static step pays for, kvcache/plan.py), and a step with a request exactly at the bound (its
+    last committed entry in the table's last column) still equals the unpadded forward, logits and
+    state. One past the bound is refused; SGLANG_DSV4_GRAPH_CONTEXT at or above the capacity, or
+    a cache without compressed layers, means the whole cache."""
+    from sglang_dsv4_ascend.kvcache.plan import fits, graph_context
+
+    model = dsv4_model("pro")  # SWA, CSA (indexer) and HCA layers
+    contexts = [300, 129, 7, 510]
+    bucket = Bucket(rows=8, seg_tokens=1, context=512)
+    padded, plain = _committed_cache(model, contexts), _committed_cache(model, contexts)
+    assert padded.capacity == 708
+    traces = []
+    for slots in ([3], [0, 1, 3], [3, 2]):  # slot 3 at 510, 511, 512 committed tokens
+        segs = [Segment(s, contexts[s], 1) for s in slots]
+        plan = build_plan(segs, padded, bucket=bucket)
+        assert {r: (rp.max_committed, rp.slot_entries.shape[1]) for r, rp in plan.ratios.items() if r} == {
+            4: (128, 128),
+            128: (4, 4),
+        }
+        a, ops = _forward(model, padded, segs, bucket, trace=True)
+        b, _ = _forward(model, plain, segs)
+        torch.testing.assert_close(a, b, **TOL)
+        traces.append(ops)
+        for s in slots:
+            contexts[s] += 1
+    assert all(t == traces[0] for t in traces[1:])
+    for s, state in _live_state(padded, range(4)).items():
+        for k, v in state.items():
+            torch.testing.assert_close(v, plain.slot_state(s)[k], **TOL, msg=f"slot {s} {k}")
+    whole = build_plan([Segment(0, 300, 1)], padded, bucket=Bucket(8, 1))
+    assert whole.ratios[4].max_committed == 708 // 4
+    assert contexts[3] == 513 and not fits([Segment(3, 513, 1)], 512) and fits([Segment(3, 513, 1)], None)
+    with pytest.raises(ValueError, match="513 committed tokens"):
+        build_plan([Segment(3, 513, 1)], padded, bucket=bucket)
+    assert graph_context(padded, 512) == 512 and graph_context(padded, 708) is None
+    swa_only = DSV4Cache(model.cfg, 1, 4096, 8, ratios=(0, 0))  # a NextN draft's cache
+    assert graph_context(swa_only, 512) is None
