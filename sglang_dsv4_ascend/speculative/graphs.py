@@ -80,8 +80,8 @@ class RowGraphs:
                 self._forward(ids, pos, plan, [], self._blank(b.rows))
             for _ in range(2):  # a warm-up run, then the one that is kept
                 self.fn(ids, pos, plan, [], self._blank(b.rows))
-            within = "" if b.context is None else f", contexts up to {b.context} tokens"
-            log(f"dsv4_ascend: {self.what} of {b.rows} rows{within} captured in {spent()}")
+            within = "" if b.context is None else f" (contexts up to {b.context} tokens)"
+            log(f"dsv4_ascend: {self.what} of {b.rows} rows captured in {spent()}{within}")
 
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         if any(s.parents is not None for s in segments):  # node-once trees run eager (plan.py)
