@@ -59,20 +59,32 @@ def kernel_family() -> str:
 
 def capture_graph(fn):
     """The device-graph abstraction for the forwards the speculative worker runs itself (the target
-    verify, the DSpark draft block): `fn` made replayable at fixed shapes, one trace per shape it
-    is called with. On CPU, torch.compile with the compiler SGLANG_DSV4_COMPILE_BACKEND names
-    (inductor as configure_inductor sets it, as integration/graph_runner.py compiles the plain decode). CUDA
-    graphs and torch_npu's graph mode are not wired in yet: a ValueError here; the worker asks
-    only on CPU (integration/server_defaults.spec_graph_sizes), so graphs stay off elsewhere."""
+    verify, NextN's draft steps, the DSpark draft block): `fn` made replayable at fixed shapes, one
+    graph per shape it is called with. On CPU, torch.compile with the compiler
+    SGLANG_DSV4_COMPILE_BACKEND names (inductor as configure_inductor sets it, as
+    integration/graph_runner.py compiles the plain decode). On CUDA a CUDA graph and on NPU an ACL
+    graph per signature (device_graph.DeviceGraphs), UNVERIFIED: never run on either device; the
+    worker asks for them there only under SGLANG_DSV4_DEVICE_GRAPHS=1
+    (integration/server_defaults.spec_graph_sizes)."""
     import torch
 
     fam = device_family()
-    if fam != "cpu":
-        raise ValueError(f"speculative graph capture runs on CPU only so far; this machine is {fam}")
+    if fam in ("cuda", "npu"):
+        from . import device_graph
+
+        return device_graph.DeviceGraphs(fn, device_graph.cuda_api() if fam == "cuda" else device_graph.npu_api())
     compiler = settings.COMPILE_BACKEND.get()
     if compiler == "inductor":
         configure_inductor()
     return torch.compile(fn, dynamic=False, backend=compiler)
+
+
+def graph_kind() -> str:
+    """What capture_graph makes on this machine, for the startup log."""
+    fam = device_family()
+    if fam in ("cuda", "npu"):
+        return f"{'CUDA' if fam == 'cuda' else 'ACL'} graphs (unverified on this device)"
+    return f"torch.compile with {settings.COMPILE_BACKEND.get()}"
 
 
 def configure_inductor() -> None:

@@ -136,6 +136,15 @@ COMPILE_BACKEND = _setting(
     "code generation), or only dynamo's trace (aot_eager, eager: fast capture, to debug or test the capture)",
     choices=("inductor", "aot_eager", "eager"),
 )
+DEVICE_GRAPHS = _setting(
+    name="SGLANG_DSV4_DEVICE_GRAPHS",
+    kind="flag",
+    default=False,
+    shape="1",
+    meaning="on CUDA / NPU: the speculative worker captures its verify and draft as CUDA / ACL graphs "
+    "(device_graph.py; batch sizes from --cuda-graph-bs-decode, off with --disable-cuda-graph). UNVERIFIED: never "
+    "run on either device",
+)
 GRAPH_CONTEXT = _setting(
     name="SGLANG_DSV4_GRAPH_CONTEXT",
     kind="int",

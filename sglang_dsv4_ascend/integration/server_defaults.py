@@ -24,6 +24,7 @@ import json
 import logging
 import os
 
+from .. import settings
 from ..checkpoint import DESCRIPTION_FILE, is_dsv4_architectures, is_dsv4_config, tensor_names
 from ..config import DSV4Config
 from ..names import (
@@ -285,11 +286,15 @@ def spec_graph_sizes(server_args, device: str) -> tuple:
     """The batch sizes whose target verify the speculative worker captures (read in the worker's
     process from the record SGLang passes it, which keeps what the user gave; `device`: the type
     the worker runs on, since the record's --device may be unset): on CPU under
-    --enable-torch-compile, the decode sizes (--cuda-graph-bs-decode, else CPU_GRAPH_BS); () when
+    --enable-torch-compile, on CUDA / NPU under SGLANG_DSV4_DEVICE_GRAPHS=1 (device_graph.py,
+    unverified there), the decode sizes (--cuda-graph-bs-decode, else CPU_GRAPH_BS); () when
     graphs are off."""
-    if device != "cpu":
+    if _graphs_turned_off(server_args):
         return ()
-    if not _raw(server_args, "enable_torch_compile") or _graphs_turned_off(server_args):
+    if device in ("cuda", "npu"):
+        if not settings.DEVICE_GRAPHS.get():
+            return ()
+    elif device != "cpu" or not _raw(server_args, "enable_torch_compile"):
         return ()
     return tuple(sorted(set(_raw(server_args, "cuda_graph_bs_decode") or CPU_GRAPH_BS)))
 

@@ -23,6 +23,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 
 from .. import checkpoint, settings
+from ..device import graph_kind
 from ..distributed.spec_sync import RankSync
 from ..kvcache import plan as kv_plan
 from ..models.dspark import load_sts, sts_path
@@ -296,11 +297,11 @@ class DSV4SpecWorker(BaseSpecWorker):
         rows = [b * per_request for b in sizes]
         graphs = VerifyGraphs(self.model.model, self.cache, width, rows, layer_ids, context=context)
         logger.info(
-            "dsv4_ascend: capturing the target verify for %s requests (%s rows, %s, torch.compile with %s)",
+            "dsv4_ascend: capturing the target verify for %s requests (%s rows, %s, %s)",
             sizes,
             [b.rows for b in graphs.buckets],
             "any context" if context is None else f"contexts up to {context} tokens ({settings.GRAPH_CONTEXT.name})",
-            settings.COMPILE_BACKEND.get(),
+            graph_kind(),
         )
         graphs.capture()
         self.engine.graphs = graphs

@@ -303,8 +303,9 @@ def test_bucket_choice(captured):
     assert graphs.bucket_for([Segment(1, 10, 1), Segment(2, CONTEXT + 1, 1)]) is None  # past the context
 
 
-def test_the_worker_captures_what_the_flags_ask():
-    """spec_graph_sizes reads the record SGLang hands the worker, which keeps the user's flags."""
+def test_the_worker_captures_what_the_flags_ask(monkeypatch):
+    """spec_graph_sizes reads the record SGLang hands the worker, which keeps the user's flags; on
+    CUDA / NPU the device graphs (unverified there) are opt-in."""
     from sglang_dsv4_ascend.integration.server_defaults import CPU_GRAPH_BS, spec_graph_sizes
 
     def args(**kw):
@@ -317,6 +318,11 @@ def test_the_worker_captures_what_the_flags_ask():
     assert spec_graph_sizes(args(enable_torch_compile=True, disable_cuda_graph=True), "cpu") == ()
     # --device unset on an NPU machine: the worker's device decides (graphs stay off there)
     assert spec_graph_sizes(args(enable_torch_compile=True), "npu") == ()
+    monkeypatch.setenv("SGLANG_DSV4_DEVICE_GRAPHS", "1")
+    assert spec_graph_sizes(args(), "npu") == CPU_GRAPH_BS
+    assert spec_graph_sizes(args(cuda_graph_bs_decode=[8]), "cuda") == (8,)
+    assert spec_graph_sizes(args(disable_cuda_graph=True), "npu") == ()
+    assert spec_graph_sizes(args(), "cpu") == ()  # on CPU --enable-torch-compile decides
 
 
 # -- the DSpark draft block captured per request bucket (graphs.DraftGraphs) ---------------------
@@ -514,3 +520,49 @@ def test_stale_nextn_step_plans_are_caught(nextn_captured, monkeypatch):
     )
     got, got_drafts, _ = _nextn_serve(trunk, nextn, "chain", cache, graphs)
     assert got == want and got_drafts != want_drafts
+
+
+# -- the same forwards as device graphs (device_graph.DeviceGraphs, CUDA / NPU), emulated on CPU ---
+def _emulated(fn):
+    from sglang_dsv4_ascend import device_graph
+
+    return device_graph.DeviceGraphs(fn, device_graph.emulated_api())
+
+
+@pytest.mark.parametrize("method", ["nextn_chain", "dspark_adaptive"])
+def test_device_graph_verify_serves_like_eager(setup, method):
+    """The verify as a device graph replays it (emulated: the captured tensors read and rewritten,
+    no Python run at a replay, so its deferred writes and the draft's streams reach the round
+    only through what device_graph.py redoes): plain greedy tokens, the eager engine's cache."""
+    model, prompts, want, replay = setup
+    cache = _cache(model)
+    graphs = VerifyGraphs(model, cache, WIDTH, ROWS, compile_fn=_emulated, context=CONTEXT)
+    graphs.capture(log=lambda msg: None)
+    assert len(graphs.fn.captured) == len(ROWS)
+    eager, eager_eng, *_ = _serve(model, method, prompts, replay)
+    got, eng, replayed, rounds = _serve(model, method, prompts, replay, (cache, graphs))
+    assert got == want and replayed > 0 and len(graphs.fn.captured) == len(ROWS)
+    assert _state_gap(eng.cache, eager_eng.cache, prompts) < 1e-4
+
+
+def test_device_graph_draft_block_and_nextn_steps_draft_what_eager_drafts(draft_captured, nextn_captured):
+    """The DSpark block (its inputs in persistent buffers, passed as the captured tensors
+    themselves) and NextN's draft steps (an extra input of streams, every step's writes appended)
+    as device graphs draft what eager forwards draft, round by round."""
+    from sglang_dsv4_ascend.speculative.graphs import DraftGraphs, NextNStepGraphs
+
+    trunk, draft, eng, _ = draft_captured
+    eager_eng = dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None)
+    want, want_drafts, _ = _draft_serve(trunk, eager_eng)
+    emu = dspark_engine(trunk, draft, len(DRAFT_PROMPTS), 4, None)
+    emu.draft_graphs = DraftGraphs(draft, emu.drafter.ctx, 4, (1, 4), trunk.embed, trunk.compute_logits, _emulated)
+    emu.draft_graphs.capture(log=lambda msg: None)
+    got, got_drafts, _ = _draft_serve(trunk, emu)
+    assert got == want and got_drafts == want_drafts and emu.draft_graphs.replayed == {1, 4}
+    ntrunk, nextn, _, _ = nextn_captured
+    want, want_drafts, _ = _nextn_serve(ntrunk, nextn, "tree")
+    cache = nextn.make_cache(len(DRAFT_PROMPTS), 128, 6)
+    steps = NextNStepGraphs(nextn, cache, ntrunk.embed, 2, (4, 16), compile_fn=_emulated)
+    steps.capture(log=lambda msg: None)
+    got, got_drafts, _ = _nextn_serve(ntrunk, nextn, "tree", cache, steps)
+    assert got == want and got_drafts == want_drafts and steps.replayed == set(steps.buckets)
