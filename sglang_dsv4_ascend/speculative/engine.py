@@ -226,8 +226,9 @@ class SpecEngine:
             for b, s in enumerate(ext_segs):
                 acc += s.length
                 ends.append((b, acc - 1))
+            defer = {"defer": True} if skip and getattr(self.drafter, "defers", False) else {}
             self.drafter.extend(
-                ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends
+                ext_segs, torch.tensor(shifted, device=dev), aux, torch.tensor(commit_rows, device=dev), ends, **defer
             )
         out.timings = stage.t
         if self.guard is not None:
