@@ -1,8 +1,10 @@
 """Decode captured through SGLang's own CPU graph runner (`--enable-torch-compile`): a real server
 serves DeepSeek-V4 with captured decode steps, and its greedy output equals plain in-process
 decoding token for token, alone and with requests joining and leaving: one captured size (4),
-replayed exact and padded (1 to 3 requests), and a batch of 5, larger than it, run eager. Bucket
-changes between captured sizes are tests/unit/test_graph_capture.py's.
+replayed exact and padded (1 to 3 requests), and a batch of 5, larger than it, run eager; captured
+for contexts up to 128 tokens (SGLANG_DSV4_GRAPH_CONTEXT), so every step with the 146-token prompt
+runs eager through SGLang's runner and the backend, and the others replay. Bucket changes between
+captured sizes are tests/unit/test_graph_capture.py's.
 
 The compiler is dynamo's trace alone (SGLANG_DSV4_COMPILE_BACKEND=eager): what is tested here is
 the capture, the static plans and the replay through SGLang's runner; the code generator
@@ -39,8 +41,9 @@ def test_captured_decode_equals_plain_decoding(ckpt, servers):
         "--enable-torch-compile",
         "--cuda-graph-bs-decode",
         "4",
-        env={"SGLANG_DSV4_COMPILE_BACKEND": "eager"},
+        env={"SGLANG_DSV4_COMPILE_BACKEND": "eager", "SGLANG_DSV4_GRAPH_CONTEXT": "128"},
     )
+    assert max(map(len, prompts)) > 128 > min(map(len, prompts)) + max(LENGTHS)
     assert srv.generate(prompts[0], 12, ignore_eos=True)["output_ids"] == want[0][:12]
     with ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(lambda a: srv.generate(a[0], a[1], ignore_eos=True)["output_ids"], zip(prompts, LENGTHS)))
