@@ -137,6 +137,8 @@ class SpecEngine:
         stage = _Stages()
         gens = gens if gens is not None else [None] * len(slots)
         decision = None
+        if self.graphs is not None:  # whether this round can replay: how the planners price it
+            self.graphs.expect_round(starts)
         with stage("plan"):  # measured: whether drafting pays at this batch size (guard.Guard)
             drafting = self.guard is None or self.guard.draft(len(slots))
         if self.planner is not None:

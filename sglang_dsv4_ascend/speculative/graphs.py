@@ -51,6 +51,7 @@ class RowGraphs:
         self.buffers = kv_plan.PlanBuffers(cache)
         self.fn = compile_fn(self._forward)
         self.replays, self.replayed = 0, set()
+        self.holds_round = True  # the coming round's requests are within `context` (expect_round)
 
     def _forward(self, ids, pos, plan, pending, extra):
         raise NotImplementedError
@@ -92,10 +93,18 @@ class RowGraphs:
         longest = max((s.length for s in segments), default=0)
         return next((b for b in self.buckets if b.rows >= T and b.seg_tokens >= longest), None)
 
+    def expect_round(self, starts) -> None:
+        """The coming round's committed lengths (the engine, before planning): a round with a
+        request past the buckets' context runs eager, so `rows_for` prices it at its own rows."""
+        self.holds_round = self.context is None or max(starts, default=0) <= self.context
+
     def rows_for(self, rows: int) -> int:
         """The rows a round of `rows` rows runs at, its segments no longer than the buckets'
-        (chains and DSpark blocks): the smallest bucket that holds it, or `rows` (eager). What
-        the DSpark planner prices a budget at (cost.Padded)."""
+        (chains and DSpark blocks): the smallest bucket that holds it, or `rows` (eager: no
+        bucket holds that many, or a request is past the context, expect_round). What the
+        planners price a budget at (cost.Padded) and record a round at."""
+        if not self.holds_round:
+            return rows
         return next((b.rows for b in self.buckets if b.rows >= rows), rows)
 
     @torch.no_grad()  # whoever calls: a replay under grad mode would be a new trace
