@@ -50,11 +50,16 @@ def _clone(x):
     return _tensors(x, torch.Tensor.clone)
 
 
+def flat(x) -> list:
+    """Every tensor inside x, in _tensors' order."""
+    found = []
+    _tensors(x, lambda t: found.append(t) or t)
+    return found
+
+
 def _plain(v) -> bool:
     """No tensor inside (the aux's layer ids, not the streams a forward leaves there)."""
-    found = []
-    _tensors(v, lambda t: found.append(t) or t)
-    return not found
+    return not flat(v)
 
 
 def _key(a):
@@ -186,15 +191,11 @@ class Emulated:
         for f, held in zip(fresh, self.held):
             if held is not None:  # what the dict held when captured (part of the signature)
                 f.update(held)
-        out = self.fn(*fresh)
-        written = [(self.out, out)]
-        for i, kind, val in self.effects:
-            new = fresh[i][-len(val) :] if kind == "list" and val else [] if kind == "list" else fresh[i]
-            written.append((val, new if kind == "list" else {k: new[k] for k in val}))
+        written = [(self.out, self.fn(*fresh))]
+        for i, kind, val in self.effects:  # fresh lists hold only what this run appended
+            written.append((val, fresh[i] if kind == "list" else {k: fresh[i][k] for k in val}))
         for old, new in written:
-            olds, news = [], []
-            _tensors(old, lambda t: olds.append(t) or t)
-            _tensors(new, lambda t: news.append(t) or t)
+            olds, news = flat(old), flat(new)
             if len(olds) != len(news):
                 raise RuntimeError("emulated graph: a replay produced other tensors than the capture")
             for o, n in zip(olds, news):

@@ -29,6 +29,14 @@ def _cpu_list(x) -> list:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
+def _decode_seq_lens(forward_batch) -> list:
+    """A decode batch's sequence lengths (committed length + 1 per row), from the host copy."""
+    seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
+    if seq_lens is None:  # older batches: positions are the decode rows' starts
+        seq_lens = forward_batch.positions.cpu() + 1
+    return [int(n) for n in _cpu_list(seq_lens)]
+
+
 def segments_from_batch(forward_batch) -> list:
     """Per-request (slot, start, length) from a ForwardBatch, for extend, decode and mixed modes.
 
@@ -45,10 +53,7 @@ def segments_from_batch(forward_batch) -> list:
     if real_bs is not None:
         slots = slots[:real_bs]
     if mode.is_decode():
-        seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
-        if seq_lens is None:  # older batches: positions are the decode rows' starts
-            seq_lens = forward_batch.positions.cpu() + 1
-        return [Segment(s, int(n) - 1, 1) for s, n in zip(slots, _cpu_list(seq_lens))]
+        return [Segment(s, n - 1, 1) for s, n in zip(slots, _decode_seq_lens(forward_batch))]
     lens = _cpu_list(forward_batch.extend_seq_lens_cpu)
     prefix = getattr(forward_batch, "extend_prefix_lens_cpu", None)
     if prefix is None:
@@ -89,7 +94,7 @@ class DSV4AscendBackend(AttentionBackend):
         if static:  # the graph runner's padding rows (SGLang's reserved request slot) are not requests
             segments = [s for s in segments if s.slot != PADDING_SLOT]
             # a request past the captured context: the runner ran this step eager (graph_holds)
-            static = kv_plan.fits(segments, self.graph_context)
+            static = kv_plan.fits((s.start for s in segments), self.graph_context)
         if self.cache.prefix is not None:
             self._resume_prefix_hits(segments)
             self._want_hinted_states(segments, getattr(forward_batch, "rids", None))
@@ -131,8 +136,11 @@ class DSV4AscendBackend(AttentionBackend):
         """Whether a captured decode holds this batch's requests (the graph runner asks before it
         replays, `integration/graph_runner.py`): none has more committed tokens than the captured
         context. `init_forward_metadata` makes the same test, so a step the runner runs eager gets
-        an eager plan."""
-        return kv_plan.fits(segments_from_batch(forward_batch), self.graph_context)
+        an eager plan. Only the sequence lengths are read (the batch's segments are built once,
+        by `init_forward_metadata`)."""
+        if self.graph_context is None:
+            return True
+        return kv_plan.fits((n - 1 for n in _decode_seq_lens(forward_batch)), self.graph_context)
 
     def init_forward_metadata_capture_cpu_graph(
         self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc, encoder_lens, forward_mode, spec_info

@@ -93,12 +93,15 @@ class Hook:
             raise UnsupportedSGLang(
                 f"hook {self.name}: target {self.target} not found ({e}); supported: {SUPPORTED_SGLANG_TEXT}"
             ) from e
-        got = tuple(inspect.signature(target).parameters)
-        if got != self.params:
-            raise UnsupportedSGLang(
-                f"hook {self.name}: target {self.target} has parameters {got}, expected {self.params}; "
-                f"supported: {SUPPORTED_SGLANG_TEXT}"
-            )
+        check_parameters(f"hook {self.name}: target {self.target}", target, self.params)
+
+
+def check_parameters(what: str, target, params: tuple) -> None:
+    """Refuse to start unless `target` (an SGLang function we hook, or a method we override; None:
+    missing) has exactly the parameters `params`; `what` names it in the message."""
+    got = tuple(inspect.signature(target).parameters) if target is not None else None
+    if got != params:
+        raise UnsupportedSGLang(f"{what} has parameters {got}, expected {params}; supported: {SUPPORTED_SGLANG_TEXT}")
 
 
 def install_hooks(hs: list[Hook]) -> list[str]:

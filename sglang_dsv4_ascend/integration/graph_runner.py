@@ -65,15 +65,7 @@ OVERRIDDEN = {
 
 
 def _check_overridden(base) -> None:
-    import inspect
-
-    from .compat import SUPPORTED_SGLANG_TEXT, UnsupportedSGLang
+    from .compat import check_parameters
 
     for name, want in OVERRIDDEN.items():
-        fn = getattr(base, name, None)
-        got = tuple(inspect.signature(fn).parameters) if fn is not None else None
-        if got != want:
-            raise UnsupportedSGLang(
-                f"sglang-dsv4-ascend overrides {base.__name__}.{name}{want}, found {got}: "
-                f"this SGLang is not one we support ({SUPPORTED_SGLANG_TEXT})"
-            )
+        check_parameters(f"{base.__name__}.{name} (overridden by sglang-dsv4-ascend)", getattr(base, name, None), want)

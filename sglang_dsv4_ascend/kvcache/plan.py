@@ -74,9 +74,10 @@ def graph_context(cache, bound: int) -> int | None:
     return int(bound)
 
 
-def fits(segments, context: int | None) -> bool:
-    """Whether every segment's committed length is within a bucket's `context`."""
-    return context is None or max((s.start for s in segments), default=0) <= context
+def fits(committed, context: int | None) -> bool:
+    """Whether every request's committed length (`committed`: an iterable of them, a segment's
+    `start`) is within a bucket's `context`."""
+    return context is None or max(committed, default=0) <= context
 
 
 @dataclass
@@ -299,8 +300,8 @@ def _check_bucket(bucket: Bucket, segments, T: int, cache) -> None:
     smallest_ring = min([cache.window_ring] + [cache.rows_ring(r) for r in cache_ratios(cache) if r])
     if T > bucket.rows or longest > bucket.seg_tokens:
         raise ValueError(f"bucket {bucket}: the forward has {T} rows and up to {longest} per request")
-    if not fits(segments, bucket.context):
-        reach = max(s.start for s in segments)
+    reach = max((s.start for s in segments), default=0)
+    if not fits([reach], bucket.context):
         raise ValueError(f"bucket {bucket}: a request has {reach} committed tokens, above the bucket's context")
     if bucket.seg_tokens > smallest_ring:
         raise ValueError(

@@ -87,7 +87,7 @@ class RowGraphs:
     def bucket_for(self, segments) -> kv_plan.Bucket | None:
         if any(s.parents is not None for s in segments):  # node-once trees run eager (plan.py)
             return None
-        if not kv_plan.fits(segments, self.context):  # a longer request: eager, at its own width
+        if not kv_plan.fits((s.start for s in segments), self.context):  # a longer request: eager
             return None
         T = sum(s.length for s in segments)
         longest = max((s.length for s in segments), default=0)
@@ -96,7 +96,7 @@ class RowGraphs:
     def expect_round(self, starts) -> None:
         """The coming round's committed lengths (the engine, before planning): a round with a
         request past the buckets' context runs eager, so `rows_for` prices it at its own rows."""
-        self.holds_round = self.context is None or max(starts, default=0) <= self.context
+        self.holds_round = kv_plan.fits(starts, self.context)
 
     def rows_for(self, rows: int) -> int:
         """The rows a round of `rows` rows runs at, its segments no longer than the buckets'

@@ -43,9 +43,7 @@ def _calls(fn, n=5, rows=4, seed=0):
 
 
 def _same(a, b) -> bool:
-    ta, tb = [], []
-    dg._tensors(a, lambda t: ta.append(t) or t)
-    dg._tensors(b, lambda t: tb.append(t) or t)
+    ta, tb = dg.flat(a), dg.flat(b)
     return len(ta) == len(tb) > 0 and all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 

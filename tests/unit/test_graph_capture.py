@@ -307,5 +307,9 @@ def test_the_runner_decodes_eager_past_the_captured_context(dsv4_model, monkeypa
 
         def can_run(self, forward_batch): ...
 
-    with pytest.raises(UnsupportedSGLang, match=r"can_run_graph\('self', 'forward_batch'\), found None"):
+    with pytest.raises(
+        UnsupportedSGLang,
+        match=r"Renamed\.can_run_graph \(overridden by sglang-dsv4-ascend\) has parameters None, "
+        r"expected \('self', 'forward_batch'\)",
+    ):
         graph_runner._check_overridden(Renamed)
