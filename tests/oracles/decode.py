@@ -48,3 +48,19 @@ def dspark_engine(trunk, draft, slots: int, gamma: int, planner, seed: int = 0):
         num_steps=gamma,
         num_draft_tokens=gamma + 1,
     )
+
+
+def prefill(trunk, eng, prompts) -> list[list[int]]:
+    """Prompt s prefilled into slot s of the engine's cache in one forward, the drafter's context
+    extended over it, as the worker does after a prefill -> each request's first greedy token."""
+    from sglang_dsv4_ascend.batch import Segment
+
+    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
+    aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
+    ids, pos = torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts])
+    h = trunk(ids, pos, segs, eng.cache, aux=aux)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
+    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
+    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    return got

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import plain_greedy
+from oracles.decode import plain_greedy, prefill
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
@@ -58,14 +58,7 @@ def _engine(trunk, nextn, prefix=False):
 def _serve(trunk, eng, prompts):
     """Prefill, then rounds until N_NEW tokens each -> (tokens, drafted chains per drafting round,
     the largest number of rows any request had put off)."""
-    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
-    aux = {"layer_ids": ()}
-    ids, pos = torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts])
-    h = trunk(ids, pos, segs, eng.cache, aux=aux)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
-    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    got = prefill(trunk, eng, prompts)
     lens, drafted, most = [len(p) for p in prompts], [], 0
     while min(map(len, got)) < N_NEW:
         live = [s for s in range(len(got)) if len(got[s]) < N_NEW]

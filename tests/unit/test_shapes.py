@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import plain_greedy
+from oracles.decode import plain_greedy, prefill
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative import shapes as S
@@ -156,13 +156,7 @@ def _serve(trunk, nextn, drafter, prompts, guard=None):
     cache = trunk.make_cache(len(prompts), 160, DRAFT_TOKENS)
     eng = SpecEngine(host, cache, drafter, torch.Generator(), topk=TOPK, num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS)
     eng.shapes, eng.guard, taken = (Cycle(), None, None) if guard is None else (None, guard, [])
-    aux = {}
-    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
-    h = trunk(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
-    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    got = prefill(trunk, eng, prompts)
     lens = [len(p) for p in prompts]
     while min(map(len, got)) < N_NEW:
         live = [s for s in range(len(got)) if len(got[s]) < N_NEW]

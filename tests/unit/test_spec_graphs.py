@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import dspark_engine, plain_greedy
+from oracles.decode import dspark_engine, plain_greedy, prefill
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.kvcache import plan as kv_plan
@@ -390,19 +390,12 @@ def _draft_serve(trunk, eng):
     trees as (tokens, parents), prompts)."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in DRAFT_PROMPTS]
-    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
     draft_cache = getattr(eng.drafter, "draft_cache", None)  # NextN's (a captured one is shared)
     for s in range(len(prompts)):
         eng.cache.reset_slot(s)
         if draft_cache is not None:
             draft_cache.reset_slot(s)
-    aux = {"layer_ids": getattr(eng.drafter, "layer_ids", ())}
-    ids, pos = torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts])
-    h = trunk(ids, pos, segs, eng.cache, aux=aux)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    got = [[int(t)] for t in trunk.compute_logits(h[ends]).argmax(-1)]
-    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    got = prefill(trunk, eng, prompts)
     lens, drafted, step = [len(p) for p in prompts], [], 0
     while min(map(len, got)) < N_NEW:
         live = [s for s in DRAFT_LIVE[step % len(DRAFT_LIVE)] if len(got[s]) < N_NEW] or [

@@ -71,14 +71,13 @@ def _live_state(cache, slots):
     return {s: cache.slot_state(s) for s in slots}
 
 
-def test_decode_bucket_replays_one_trace_and_equals_unpadded(dsv4_model):
-    model = dsv4_model("pro")  # SWA, CSA (indexer) and HCA layers
-    contexts = [300, 129, 7, 511]
-    bucket = Bucket(rows=8, seg_tokens=1)
+def _decode_steps(model, contexts, bucket, schedule):
+    """Decode steps of the slots in each entry of `schedule`, padded to `bucket` on one cache and
+    unpadded on a twin: the logits equal at every step and every request's state equal at the
+    end -> (the padded steps' op traces, the padded cache). `contexts` advances as steps commit."""
     padded, plain = _committed_cache(model, contexts), _committed_cache(model, contexts)
     traces = []
-    # Steps with 1, 3 and 4 requests at different contexts, crossing C4 and C128 boundaries.
-    for slots in ([0], [0, 1, 2], [3, 1, 2, 0], [2]):
+    for slots in schedule:
         segs = [Segment(s, contexts[s], 1) for s in slots]
         a, ops = _forward(model, padded, segs, bucket, trace=True)
         b, _ = _forward(model, plain, segs)
@@ -86,10 +85,19 @@ def test_decode_bucket_replays_one_trace_and_equals_unpadded(dsv4_model):
         traces.append(ops)
         for s in slots:
             contexts[s] += 1
-    assert len(traces[0]) > 100 and all(t == traces[0] for t in traces[1:])
-    for s, state in _live_state(padded, range(4)).items():
+    for s, state in _live_state(padded, range(len(contexts))).items():
         for k, v in state.items():
             torch.testing.assert_close(v, plain.slot_state(s)[k], **TOL, msg=f"slot {s} {k}")
+    return traces, padded
+
+
+def test_decode_bucket_replays_one_trace_and_equals_unpadded(dsv4_model):
+    model = dsv4_model("pro")  # SWA, CSA (indexer) and HCA layers
+    # Steps with 1, 3 and 4 requests at different contexts, crossing C4 and C128 boundaries.
+    traces, _ = _decode_steps(
+        model, [300, 129, 7, 511], Bucket(rows=8, seg_tokens=1), ([0], [0, 1, 2], [3, 1, 2, 0], [2])
+    )
+    assert len(traces[0]) > 100 and all(t == traces[0] for t in traces[1:])
     # Without a bucket the shapes follow the batch: the traces differ (the test is sensitive).
     c = _committed_cache(model, [300, 129])
     _, t1 = _forward(model, c, [Segment(0, 300, 1)], trace=True)
@@ -152,29 +160,17 @@ def test_a_context_bucket_is_as_wide_as_its_context_and_equals_unpadded(dsv4_mod
     model = dsv4_model("pro")  # SWA, CSA (indexer) and HCA layers
     contexts = [300, 129, 7, 510]
     bucket = Bucket(rows=8, seg_tokens=1, context=512)
-    padded, plain = _committed_cache(model, contexts), _committed_cache(model, contexts)
-    assert padded.capacity == 708
-    traces = []
-    for slots in ([3], [0, 1, 3], [3, 2]):  # slot 3 at 510, 511, 512 committed tokens
-        segs = [Segment(s, contexts[s], 1) for s in slots]
-        plan = build_plan(segs, padded, bucket=bucket)
-        assert {r: (rp.max_committed, rp.slot_entries.shape[1]) for r, rp in plan.ratios.items() if r} == {
-            4: (128, 128),
-            128: (4, 4),
-        }
-        a, ops = _forward(model, padded, segs, bucket, trace=True)
-        b, _ = _forward(model, plain, segs)
-        torch.testing.assert_close(a, b, **TOL)
-        traces.append(ops)
-        for s in slots:
-            contexts[s] += 1
-    assert all(t == traces[0] for t in traces[1:])
-    for s, state in _live_state(padded, range(4)).items():
-        for k, v in state.items():
-            torch.testing.assert_close(v, plain.slot_state(s)[k], **TOL, msg=f"slot {s} {k}")
+    # slot 3 at 510, 511, 512 committed tokens
+    traces, padded = _decode_steps(model, contexts, bucket, ([3], [0, 1, 3], [3, 2]))
+    assert padded.capacity == 708 and all(t == traces[0] for t in traces[1:])
+    plan = build_plan([Segment(3, 512, 1)], padded, bucket=bucket)  # the step at the bound
+    assert {r: (rp.max_committed, rp.slot_entries.shape[1]) for r, rp in plan.ratios.items() if r} == {
+        4: (128, 128),
+        128: (4, 4),
+    }
     whole = build_plan([Segment(0, 300, 1)], padded, bucket=Bucket(8, 1))
     assert whole.ratios[4].max_committed == 708 // 4
-    assert contexts[3] == 513 and not fits([Segment(3, 513, 1)], 512) and fits([Segment(3, 513, 1)], None)
+    assert contexts[3] == 513 and not fits([513], 512) and fits([513], None)
     with pytest.raises(ValueError, match="513 committed tokens"):
         build_plan([Segment(3, 513, 1)], padded, bucket=bucket)
     assert graph_context(padded, 512) == 512 and graph_context(padded, 708) is None

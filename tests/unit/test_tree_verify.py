@@ -11,6 +11,7 @@ import contextlib
 
 import pytest
 import torch
+from oracles.decode import prefill
 
 from sglang_dsv4_ascend.batch import Segment, SegmentWrites
 from sglang_dsv4_ascend.kvcache import plan as plan_mod
@@ -286,13 +287,7 @@ def _nextn_rounds(model, nextn, prompts, node_once, topk, steps, draft_tokens, r
         host, cache, NextNDrafter, torch.Generator(), topk=topk, num_steps=steps, num_draft_tokens=draft_tokens
     )
     eng.node_once = node_once
-    segs = [Segment(s, 0, len(p)) for s, p in enumerate(prompts)]
-    aux = {}
-    h = model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), segs, cache, aux=aux)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    got = [[int(t)] for t in model.compute_logits(h[ends]).argmax(-1)]
-    shifted = sum((p[1:] + got[s] for s, p in enumerate(prompts)), [])
-    eng.extend(segs, torch.tensor(shifted), aux, None, [(s, int(e)) for s, e in enumerate(ends)])
+    got = prefill(model, eng, prompts)
     lens, trees, rows = [len(p) for p in prompts], [], []
     live = list(range(len(prompts)))
     for _ in range(rounds):
