@@ -163,11 +163,12 @@ def test_a_context_bucket_is_as_wide_as_its_context_and_equals_unpadded(dsv4_mod
     # slot 3 at 510, 511, 512 committed tokens
     traces, padded = _decode_steps(model, contexts, bucket, ([3], [0, 1, 3], [3, 2]))
     assert padded.capacity == 708 and all(t == traces[0] for t in traces[1:])
-    plan = build_plan([Segment(3, 512, 1)], padded, bucket=bucket)  # the step at the bound
-    assert {r: (rp.max_committed, rp.slot_entries.shape[1]) for r, rp in plan.ratios.items() if r} == {
-        4: (128, 128),
-        128: (4, 4),
-    }
+    for segs in ([(3, 510)], [(0, 300), (1, 129), (3, 511)], [(3, 512), (2, 7)]):  # each step's plan
+        plan = build_plan([Segment(s, L, 1) for s, L in segs], padded, bucket=bucket)
+        assert {r: (rp.max_committed, rp.slot_entries.shape[1]) for r, rp in plan.ratios.items() if r} == {
+            4: (128, 128),
+            128: (4, 4),
+        }
     whole = build_plan([Segment(0, 300, 1)], padded, bucket=Bucket(8, 1))
     assert whole.ratios[4].max_committed == 708 // 4
     assert contexts[3] == 513 and not fits([513], 512) and fits([513], None)
