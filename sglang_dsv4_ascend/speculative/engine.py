@@ -140,7 +140,7 @@ class SpecEngine:
         if self.graphs is not None:  # whether this round can replay: how the planners price it
             self.graphs.expect_round(starts)
         with stage("plan"):  # measured: whether drafting pays at this batch size (guard.Guard)
-            drafting = self.guard is None or self.guard.draft(len(slots))
+            drafting = self.guard is None or self.guard.draft(len(slots), list(zip(slots, gens)))
         if self.planner is not None:
             with stage("plan"):  # before drafting: whether to draft at all (planner.Planner.decide)
                 decision = self.planner.decide(slots, gens) if drafting else Decision(0, skip=True)

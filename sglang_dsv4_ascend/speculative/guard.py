@@ -19,11 +19,33 @@ so it reads fast and errs toward trying plain steps; and t_plain(R) is the faste
 since a timing taken while the machine was busy once read 40 ms at one request and 17 ms at
 two, and made drafting that accepted nothing look a sure win). Otherwise it runs `first` plain
 rounds and from then on takes whichever of the two measured medians is higher (ties: draft).
-The loser is taken again every `explore`-th round of the class so that its figure stays current
-(acceptance moves with the prompts, the cost with the contexts), except a plain step when
-drafting wins by more than `sure` against measured plain steps; a win against the startup
-timing alone is checked by a plain step every `explore`-th round until `first` are measured.
-Medians make one descheduled round irrelevant.
+The loser is taken again now and then so that its figure stays current (acceptance moves with
+the prompts, the cost with the contexts), except a plain step when drafting wins by more than
+`sure` against measured plain steps; a win against the startup timing alone is checked by a plain
+step every `explore`-th round until `first` are measured. Medians make one descheduled round
+irrelevant.
+
+How often the loser is taken: an exploring round costs what the loser loses, 1 - min(ratio,
+1 / ratio) of a round, so the loser is taken every `explore_cost` / that many rounds, between
+`explore_min` and `explore` (with 1 %: a loser at 0.9 every 10th round, one at 0.67 or worse every
+32nd). A narrow loser is the one most likely to have become the winner, and it is the cheapest to
+check.
+
+How fast a change of regime is followed: the medians of the last `keep` rounds move only once
+half of them are new, and the loser gets one new round an interval: 8 intervals, 256 rounds at
+32. That was too slow where acceptance changes with the request. Served at one request with
+graphs, the first prompt's drafts were accepted 1.1 tokens a round, plain won narrowly, and the
+guard ran 229 plain rounds while the next prompts' drafts would have been accepted 3 a round. So
+when the loser's last `first` explored rounds all beat the winner's median, the regime has changed:
+the loser's figure becomes those rounds alone, and the refit takes the new winner (4 explorations:
+40 rounds at 0.9). "All beat" is at least `first` - 1 of `first`: a drafting round's rate varies
+with what it accepted, and a round that accepts nothing loses to a plain step whatever the prompt.
+
+A batch of at most `turnover_max` requests is its requests: when most of a class's batch has
+joined since the class last drafted, and plain is winning, the next `first` rounds draft (the new
+requests' own figure) and the class is refitted after them. At one request that is every new
+request: its first 4 rounds tell whether its drafts pay, instead of the previous prompts'. A
+larger batch's acceptance is the mean of many requests' and moves little when half of them change.
 
 Lossless: whether a round drafts is fixed from finished rounds' timings before it drafts, and a
 plain round is an ordinary round with no drafts (its bonus token is the target's own sample), so
@@ -33,6 +55,9 @@ Ranks: the choice counters depend only on the rounds taken, the same on every ra
 differ per rank, so the winner of each class is refitted from one rank's medians (`agree`,
 spec_sync.RankSync.broadcast) every `every` rounds and whenever a class has just got its `first`
 rounds of either kind (the plain step's startup timing is rank 0's too, speculative/worker.py).
+The exploring interval is read from the agreed ratio. A change of regime is found from each
+rank's own timings and may shorten one rank's figure and not another's; it never leaves fewer than
+`first` rounds, so the round counts that trigger a refit stay alike on every rank.
 """
 
 from __future__ import annotations
@@ -63,15 +88,23 @@ class Guard:
         every: int = 8,
         agree=None,
         plain=None,
+        explore_min: int = 4,
+        explore_cost: float = 0.01,
+        turnover_max: int = 4,
     ):
         """`plain`: [(R, seconds of a plain round of R requests)] timed at startup, or None."""
         self.first, self.keep, self.explore, self.sure = first, keep, explore, sure
+        self.explore_min, self.explore_cost, self.turnover_max = explore_min, explore_cost, turnover_max
+        self.covered = {}  # class -> the requests of its last drafting round
+        self.relearn = {}  # class -> drafting rounds still to take for the requests that joined
+        self.refit_due = False
         self.every, self.agree = every, agree
         self.plain = None
         if plain:  # the fastest timing at R or more requests: a busy moment reads slow, never fast
             pts = sorted(plain)
             self.plain = [(R, min(t for _, t in pts[i:])) for i, (R, _) in enumerate(pts)]
         self.rates = {}  # class -> {True: deque of drafting rounds' (R, rate), False: plain rounds'}
+        self.explored = {}  # class -> (the kind explored, deque of its last `first` explored rates)
         self.turn = {}  # class -> rounds of the class chosen so far
         # class -> (draft wins, drafting median / plain median, plain measured), agreed at refits
         self.winner = {}
@@ -81,21 +114,36 @@ class Guard:
     def _rates(self, c: int) -> dict:
         return self.rates.setdefault(c, {True: deque(maxlen=self.keep), False: deque(maxlen=self.keep)})
 
-    def draft(self, R: int) -> bool:
-        """Whether a round of R requests drafts."""
+    def draft(self, R: int, keys=None) -> bool:
+        """Whether a round of R requests drafts; `keys`: the requests (ids the same on every rank),
+        or None."""
         c = batch_class(R)
         k = self.turn.get(c, 0)
         self.turn[c] = k + 1
         seen = self._rates(c)
+        wins = self.winner.get(c, (None,))[0]
+        if keys is not None and wins is False and R <= self.turnover_max and c not in self.relearn:
+            joined = set(keys) - self.covered.get(c, set())
+            if 2 * len(joined) > len(keys):  # mostly new requests: their own drafting figure
+                self.relearn[c] = self.first
+                self.explored[c] = (True, deque(maxlen=self.first))
         if len(seen[True]) < self.first:
             why, out = "learning drafting", True
         elif c not in self.winner:  # refitted when the class got `first` drafting rounds
             why, out = "learning plain", False
+        elif c in self.relearn:
+            why, out = "relearning drafting", True  # for the requests that joined
+            self.relearn[c] -= 1
+            if not self.relearn[c]:
+                del self.relearn[c]
+                self.refit_due = True  # after this round: the same round on every rank
         else:
             wins, ratio, measured = self.winner[c]
-            explore = k % self.explore == 0 and (not wins or ratio < self.sure or not measured)
+            explore = k % self.interval(ratio, measured) == 0 and (not wins or ratio < self.sure or not measured)
             out = wins != explore
             why = ("exploring " if explore else "") + ("drafting" if out else "plain")
+        if out and keys is not None and R <= self.turnover_max:
+            self.covered[c] = set(keys)
         self.last = {"guard": why, "guard_class": c}
         return out
 
@@ -105,11 +153,17 @@ class Guard:
             return
         c = batch_class(R)
         seen = self._rates(c)
-        seen[drafted].append((R, tokens / (R * seconds)))
+        rate = tokens / (R * seconds)
+        seen[drafted].append((R, rate))
+        if c in self.winner and drafted != self.winner[c][0]:  # the loser, explored
+            if self.explored.get(c, (None,))[0] != drafted:
+                self.explored[c] = (drafted, deque(maxlen=self.first))
+            self.explored[c][1].append((R, rate))
         self.rounds += 1
         # a class that just got its `first` rounds of either kind is decided now (the counts are
         # the same on every rank, so every rank refits here)
-        if self.rounds % self.every == 0 or len(seen[drafted]) == self.first:
+        if self.rounds % self.every == 0 or len(seen[drafted]) == self.first or self.refit_due:
+            self.refit_due = False
             self.refit()
 
     def ratio(self, c: int) -> float | None:
@@ -127,7 +181,29 @@ class Guard:
         xs, ts = [R for R, _ in self.plain], [t for _, t in self.plain]
         return statistics.median(r * interp(xs, ts, R) for R, r in seen[True])
 
+    def interval(self, ratio: float, measured: bool = True) -> int:
+        """Rounds of a class between two explorations of its loser: fewer the less it loses."""
+        if not measured:
+            return self.explore
+        cost = 1.0 - min(ratio, 1.0 / max(ratio, 1e-12))
+        return int(min(self.explore, max(self.explore_min, round(cost / self.explore_cost))))
+
+    def _regime_change(self, c: int) -> None:
+        """The loser's last `first` explored rounds all beat the winner's median: its figure
+        becomes those rounds (they describe the present; the older ones another prompt, say)."""
+        wins, _, measured = self.winner.get(c, (None, None, False))
+        kind, rates = self.explored.get(c, (None, ()))
+        if not measured or kind is None or kind == wins or len(rates) < self.first:
+            return
+        seen = self.rates[c]
+        if statistics.median_low(r for _, r in rates) > statistics.median(r for _, r in seen[wins]):
+            seen[kind].clear()
+            seen[kind].extend(rates)
+            del self.explored[c]
+
     def refit(self) -> None:
+        for c in list(self.explored):
+            self._regime_change(c)
         table = {}
         for c, seen in self.rates.items():
             ratio = self.ratio(c)
@@ -136,6 +212,9 @@ class Guard:
             if ratio is not None and (measured or ratio >= self.sure):
                 table[c] = (ratio >= 1.0, ratio, measured)
         self.winner = table if self.agree is None else self.agree(table)
+        for c in list(self.explored):  # explored rounds count against the winner they lost to
+            if self.explored[c][0] == self.winner.get(c, (None,))[0]:
+                del self.explored[c]
 
     def describe(self) -> dict:
         """Per class: rounds each way, the medians' ratio (drafting / plain) and the winner."""

@@ -27,7 +27,7 @@ class StageStats:
         self.confidence_shift = None  # the planner's latest calibration offsets per draft position
         self.by_batch = {}  # R -> [rounds, predicted seconds, measured seconds] (rounds with a prediction)
         self.by_shape = {}  # NextN round shape (shapes.py) -> rounds
-        self.by_guard = {}  # the guard's reason (guard.py: learning / exploring / drafting / plain) -> rounds
+        self.by_guard = {}  # the guard's reason (guard.py: learning, relearning, exploring, ...) -> rounds
 
     def add(self, res) -> None:
         self.rounds += 1

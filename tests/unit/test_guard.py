@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 
 import pytest
 
@@ -90,11 +91,12 @@ def test_a_startup_win_that_plain_rounds_refute_is_dropped():
 
 
 def test_drafting_that_wins_narrowly_keeps_plain_explored():
-    """Within the `sure` margin a plain step is taken every `explore` rounds: the figure it is
-    compared with can move."""
+    """Within the `sure` margin a plain step is taken now and then: the figure it is compared with
+    can move. At 1.11x a plain step loses a tenth of a round; at 1 % of the rounds' time spent
+    exploring, it is taken every 10th round."""
     g = Guard(first=4, explore=32, sure=1.25)
     taken = _drive(g, 200, 8, lambda R: 2 * R, lambda R, d, i: 0.018 if d else 0.01)  # 1.11x
-    assert [i for i, d in enumerate(taken) if not d and i >= 8] == [32, 64, 96, 128, 160, 192]
+    assert [i for i, d in enumerate(taken) if not d and i >= 8] == list(range(10, 200, 10))
 
 
 def test_the_choice_follows_a_change_of_cost():
@@ -103,6 +105,140 @@ def test_the_choice_follows_a_change_of_cost():
     taken = _drive(g, 240, 4, lambda R: 2 * R, lambda R, d, i: (0.015 if i < 80 else 0.04) if d else 0.01)
     assert sum(taken[40:80]) == 40 - 40 // 8
     assert sum(taken[200:]) <= 40 // 8
+
+
+def test_a_narrow_loser_is_explored_more_often_than_a_far_one():
+    """Drafting at 0.9x a plain step loses a tenth of a round when explored: every 10th round; at
+    0.5x, every `explore`-th (32)."""
+    narrow = _drive(Guard(), 200, 4, lambda R: 1.8 * R, lambda R, d, i: 0.02 if d else 0.01)
+    far = _drive(Guard(), 200, 4, lambda R: R, lambda R, d, i: 0.02 if d else 0.01)
+    assert [i for i, d in enumerate(narrow) if d and i >= 8] == list(range(10, 200, 10))
+    assert [i for i, d in enumerate(far) if d and i >= 8] == [32, 64, 96, 128, 160, 192]
+
+
+class _NoRegimeChange(Guard):
+    """Broken on purpose: the loser's explored rounds only ever join its median of `keep`."""
+
+    def _regime_change(self, c):
+        pass
+
+
+def _acceptance_jumps(i):
+    """Drafting accepts 1.8 tokens a round (0.9x plain) for 100 rounds, then 3 (1.5x): the next
+    prompt, say."""
+    return 1.8 if i < 100 else 3.0
+
+
+@pytest.mark.parametrize("kind", [Guard, _NoRegimeChange])
+def test_a_change_of_acceptance_is_followed_within_a_request(kind):
+    """Served at one request with graphs, the first prompt's drafts won 0.9x and the guard then
+    ran 229 plain rounds while the next prompts accepted 3 tokens a round. Four explored rounds
+    that all beat plain now make drafting's figure: drafting within 50 rounds of the change."""
+    g = kind()
+    taken = []
+    for i in range(300):
+        d = g.draft(1)
+        g.learn(1, d, _acceptance_jumps(i) if d else 1, 0.02 if d else 0.01)
+        taken.append(d)
+    assert sum(taken[20:100]) <= 8  # plain before the change (explored every 10th round)
+    settled = next(i for i in range(300, 0, -1) if not taken[i - 1])  # drafting every round from here
+    # the premise, for the variant: half of the median's 16 rounds must be new, 8 explorations
+    assert (settled <= 150) == (kind is Guard), settled
+
+
+class _OneBeats(Guard):
+    """Broken on purpose: one explored round that beats the winner's median is a change."""
+
+    def _regime_change(self, c):
+        kind, rates = self.explored.get(c, (None, ()))
+        if rates:
+            self.explored[c] = (kind, deque(list(rates)[-1:] * self.first, maxlen=self.first))
+        super()._regime_change(c)
+
+
+@pytest.mark.parametrize("kind", [Guard, _OneBeats])
+def test_explored_rounds_that_beat_plain_now_and_then_do_not_change_the_choice(kind):
+    """Drafting at 0.9x, one explored round in three descheduled plain's way (1.5x): never four in
+    a row, and the median stays 0.9x: plain all along, explored every 10th round."""
+    g = kind()
+    taken = _drive(
+        g, 400, 4, lambda R: 4.0 * R, lambda R, d, i: (0.0267 if (i // 10) % 3 == 2 else 0.0444) if d else 0.01
+    )
+    explored = [i for i, d in enumerate(taken) if d and i >= 8]
+    assert (explored == list(range(10, 400, 10))) == (kind is Guard)
+
+
+def test_ranks_agree_when_one_rank_sees_the_change():
+    """Rank 0's drafts jump to 1.5x plain, rank 1's stay at 0.9x: rank 0 finds the change, both
+    take its table, and both refit at the same rounds (the agreement is a collective)."""
+    box, calls = {}, [0, 0]
+
+    def agree(rank):
+        def f(t):
+            calls[rank] += 1
+            return box.setdefault("t", t) if rank == 0 else box.pop("t")
+
+        return f
+
+    g0, g1 = Guard(agree=agree(0)), Guard(agree=agree(1))
+    out = ([], [])
+    for i in range(300):
+        for rank, g in enumerate((g0, g1)):
+            d = g.draft(1, [(1, f"rid{i // 64}")])  # a new request every 64 rounds
+            accepted = _acceptance_jumps(i) if rank == 0 else 1.8
+            g.learn(1, d, accepted if d else 1, 0.02 if d else 0.01)
+            out[rank].append(d)
+        box.pop("t", None)
+    assert out[0] == out[1] and all(out[0][150:])
+    assert calls[0] == calls[1]
+
+
+def _requests(guard, n_requests, rounds_each, accepted, keys=True):
+    """One request at a time, `rounds_each` rounds each: request q's drafting round emits
+    accepted(q) tokens in 20 ms, a plain one 1 token in 10 ms. Returns the choices per request."""
+    out = []
+    for q in range(n_requests):
+        taken = []
+        for _ in range(rounds_each):
+            d = guard.draft(1, [(1, f"rid{q}")] if keys else None)
+            guard.learn(1, d, accepted(q) if d else 1, 0.02 if d else 0.01)
+            taken.append(d)
+        out.append(taken)
+    return out
+
+
+def test_a_new_request_gets_its_own_drafting_figure():
+    """At one request, the first request's drafts are never accepted (plain wins 2x), the next ones'
+    3 tokens a round (drafting 1.5x): each new request drafts its first 4 rounds, and from the
+    second request on drafting wins from its 5th round. A bad request after good ones keeps
+    drafting until its own rounds pull drafting's median down. Without the requests' ids
+    (the premise) the second request runs plain throughout but for explored rounds."""
+    by_request = _requests(Guard(), 5, 64, lambda q: 1.0 if q in (0, 3) else 3.0)
+    assert sum(by_request[0][8:]) <= 3  # plain after learning, explored every 32nd round
+    assert all(by_request[1]) and all(by_request[2])
+    assert all(by_request[3][:8]) and sum(by_request[3][24:]) <= 2 and all(by_request[4])
+    blind = _requests(Guard(), 2, 64, lambda q: 1.0 if q == 0 else 3.0, keys=False)
+    assert sum(blind[1]) <= 3
+
+
+def test_new_requests_that_do_not_pay_cost_four_rounds_each():
+    """Every request's drafts are never accepted: each new one drafts 4 rounds and goes plain."""
+    by_request = _requests(Guard(), 5, 64, lambda q: 1.0)
+    for q, taken in enumerate(by_request[1:], 1):
+        assert taken[:4] == [True] * 4 and sum(taken[4:]) <= 2, (q, taken)
+
+
+def test_larger_batches_do_not_relearn_on_turnover():
+    """At 8 requests (above `turnover_max`) a batch of all-new requests every round changes
+    nothing: drafting that loses is explored every 32nd round only."""
+    g = Guard()
+    taken = []
+    for i in range(200):
+        keys = [(s, f"rid{i}-{s}") for s in range(8)]
+        d = g.draft(8, keys)
+        g.learn(8, d, 8 if d else 8, 0.02 if d else 0.01)
+        taken.append(d)
+    assert [i for i, d in enumerate(taken) if d and i >= 8] == [32, 64, 96, 128, 160, 192]
 
 
 class _Mean(Guard):
@@ -131,7 +267,7 @@ def test_one_slow_round_does_not_decide(kind):
 def test_classes_decide_apart():
     """Alone drafting pays, at 16 requests it does not: rounds alternating between the two batch
     sizes learn each class on its own."""
-    g = Guard(first=4, explore=1000)
+    g = Guard(first=4, explore=1000, explore_min=1000)  # never explored
 
     def seconds(R, d, i):
         return (0.012 if R == 1 else 0.04) if d else 0.01
@@ -262,3 +398,26 @@ def test_the_plain_timing_is_read_from_a_startup_seed_without_timing_twice(monke
         got, source = plain_round_seconds(trunk, cache, 4, seed=other)
         assert sorted(got) == [(1, 0.01), (2, 0.02), (4, 0.04)] and source == "timed" and len(calls) > n
         n = len(calls)
+
+
+class _Recording(_Clocked):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.keys = []
+
+    def draft(self, R, keys=None):
+        self.keys.append(keys)
+        return super().draft(R, keys)
+
+
+def test_the_engine_names_each_rounds_requests(tiny):
+    """The engine hands the guard each round's requests as (slot, request id) (the worker's ids are
+    SGLang's rids): what tells a new request from one that has drafted."""
+    from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
+
+    trunk, nextn, prompts, want = tiny
+    guard = _Recording(first=2, explore=3)
+    got, taken = _serve(trunk, nextn, NextNDrafter, prompts, guard=guard)
+    assert got == want and len(guard.keys) == len(taken)
+    assert all(keys and all(slot == rid for slot, rid in keys) for keys in guard.keys)
+    assert guard.keys[0] == [(s, s) for s in range(len(prompts))]

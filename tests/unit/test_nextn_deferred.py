@@ -27,7 +27,7 @@ class Schedule:
     def __init__(self):
         self.round, self.last = -1, {}
 
-    def draft(self, R):
+    def draft(self, R, keys=None):
         self.round += 1
         return self.round not in PLAIN
 
