@@ -40,6 +40,23 @@ def test_ratios_are_against_nospec_at_the_same_point():
     assert got[("nospec", "g", 8)] == 1.0
 
 
+def test_the_baseline_is_the_mean_of_nospec_before_and_after():
+    """No-spec read 10 tok/s first and 20 at the end of the run (the machine drifted): a method at
+    15 is 1.0x, not 1.5x as against the first run alone, and the drift is reported."""
+    res = {
+        "nospec": {"levels": [_lv("g", 1, 10.0, None), _lv("g", 8, 40.0, None)]},
+        "x": {"levels": [_lv("g", 1, 15.0, [1, 1]), _lv("g", 8, 40.0, [1, 1])]},
+        headline.AGAIN: {"levels": [_lv("g", 1, 20.0, None), _lv("g", 8, 40.0, None)]},
+    }
+    got = {(r["method"], r["dataset"], r["concurrency"]): r["tok_s_ratio"] for r in headline.ratios(res)}
+    assert got[("x", "g", 1)] == 1.0 and got[("x", "g", 8)] == 1.0
+    assert got[("nospec", "g", 1)] == round(10 / 15, 3) and got[(headline.AGAIN, "g", 1)] == round(20 / 15, 3)
+    assert headline.baseline_drift(res) == {"g@1": 2.0, "g@8": 1.0}
+    del res[headline.AGAIN]
+    assert headline.baseline_drift(res) is None
+    assert {r["tok_s_ratio"] for r in headline.ratios(res) if r["method"] == "x"} == {1.5, 1.0}
+
+
 def test_tree_positions_are_its_depth_not_its_nodes():
     # a topk-2 tree with 3 steps proposes 5 nodes per round but accepts at most 3 drafts
     tree = {"spec_correct_drafts_histogram": [2, 3, 4, 1], "spec_verify_ct": 10, "spec_num_proposed_drafts": 50}
@@ -139,7 +156,9 @@ def test_default_run_is_unchanged(tmp_path, monkeypatch):
     monkeypatch.setattr(headline, "environment", dict)  # its version probes import SGLang: seconds
     assert headline.main(["--out-dir", str(tmp_path), "--no-plot"]) == 0
     doc = json.loads((tmp_path / "headline.json").read_text())
-    assert [c[0] for c in calls] == list(headline.METHODS) and all(c[1:] == (None, ()) for c in calls)
+    # every method, then no-spec again: the baseline brackets the run
+    assert [c[0] for c in calls] == [*headline.METHODS, headline.AGAIN] and all(c[1:] == (None, ()) for c in calls)
+    assert doc["baseline_drift"] == {f"{ds}@{c}": 1.0 for ds in doc["config"]["datasets"] for c in (1, 8, 16)}
     assert list(doc["config"]) == [
         "methods",
         "datasets",
