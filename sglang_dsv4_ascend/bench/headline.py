@@ -214,8 +214,7 @@ def ratios(results: dict) -> list:
     19.2 / 83.7 / 103.9), and a baseline taken at one end of it moves every ratio alike."""
 
     def base(name):
-        r = results.get(name)
-        tps = {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in r["levels"]} if r else {}
+        tps = _tok_s(results.get(name))
         if name == "nospec" and AGAIN in results:
             again = base(AGAIN)
             tps = {k: (v + again[k]) / 2 if k in again else v for k, v in tps.items()}
@@ -246,12 +245,17 @@ def ratios(results: dict) -> list:
     return rows
 
 
+def _tok_s(result: dict | None) -> dict:
+    """(dataset, concurrency) -> output tok/s of one method's result ({} for none)."""
+    return {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in result["levels"]} if result else {}
+
+
 def baseline_drift(results: dict) -> dict | None:
     """No-spec's tok/s at the end of the run over its tok/s at the start, per dataset and
     concurrency ("dataset@concurrency"): how far the machine moved while the methods ran."""
     if AGAIN not in results or "nospec" not in results:
         return None
-    first = {(lv["dataset"], lv["concurrency"]): lv["output_tok_per_s"] for lv in results["nospec"]["levels"]}
+    first = _tok_s(results["nospec"])
     return {
         f"{lv['dataset']}@{lv['concurrency']}": round(lv["output_tok_per_s"] / first[k], 3)
         for lv in results[AGAIN]["levels"]
@@ -399,8 +403,9 @@ def main(argv=None) -> int:
         report["accept_length_pooled"] = headline_quant.accept_length_table(results)
         report["draft_quantization_effect"] = headline_quant.draft_effect(results)
     report["summary"] = ratios(results)
-    if baseline_drift(results):
-        report["baseline_drift"] = baseline_drift(results)
+    drift = baseline_drift(results)
+    if drift:
+        report["baseline_drift"] = drift
     report["acceptance_by_position"] = {
         m: pooled_acceptance(r["levels"]) for m, r in results.items() if r.get("method", m) not in ("nospec", AGAIN)
     }
