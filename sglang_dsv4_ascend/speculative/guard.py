@@ -36,10 +36,11 @@ half of them are new, and the loser gets one new round an interval: 8 intervals,
 32. That was too slow where acceptance changes with the request. Served at one request with
 graphs, the first prompt's drafts were accepted 1.1 tokens a round, plain won narrowly, and the
 guard ran 229 plain rounds while the next prompts' drafts would have been accepted 3 a round. So
-when the loser's last `first` explored rounds all beat the winner's median, the regime has changed:
-the loser's figure becomes those rounds alone, and the refit takes the new winner (4 explorations:
-40 rounds at 0.9). "All beat" is at least `first` - 1 of `first`: a drafting round's rate varies
-with what it accepted, and a round that accepts nothing loses to a plain step whatever the prompt.
+when more than half of the loser's last `first` explored rounds beat the winner's median (3 of 4:
+their lower median does), the regime has changed: the loser's figure becomes those rounds alone,
+and the refit takes the new winner (4 explorations: 40 rounds at 0.9). Not all of them: a drafting
+round's rate varies with what it accepted, and a round that accepts nothing loses to a plain step
+whatever the prompt.
 
 A batch of at most `turnover_max` requests is its requests: when most of a class's batch has
 joined since the class last drafted, and plain is winning, the next `first` rounds draft (the new
@@ -189,8 +190,8 @@ class Guard:
         return int(min(self.explore, max(self.explore_min, round(cost / self.explore_cost))))
 
     def _regime_change(self, c: int) -> None:
-        """The loser's last `first` explored rounds all beat the winner's median: its figure
-        becomes those rounds (they describe the present; the older ones another prompt, say)."""
+        """More than half of the loser's last `first` explored rounds beat the winner's median: its
+        figure becomes those rounds (they describe the present; the older ones another prompt, say)."""
         wins, _, measured = self.winner.get(c, (None, None, False))
         kind, rates = self.explored.get(c, (None, ()))
         if not measured or kind is None or kind == wins or len(rates) < self.first:
