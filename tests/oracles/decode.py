@@ -30,6 +30,17 @@ def plain_greedy(model, prompts, n: int, spec_rows: int = 0) -> list[list[int]]:
     return outs
 
 
+def nextn_setup(dsv4_model, tiny_ckpt, lengths, n_new: int, seed: int):
+    """(trunk, its NextN block, random prompts of `lengths`, their `n_new` plain greedy tokens) for
+    the tiny flash model: what the NextN engine tests serve and hold their output to."""
+    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
+
+    trunk = dsv4_model("flash")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
+    return trunk, load_nextn_from_dir(tiny_ckpt("flash"), trunk.cfg), prompts, plain_greedy(trunk, prompts, n_new)
+
+
 def dspark_engine(trunk, draft, slots: int, gamma: int, planner, seed: int = 0):
     """A SpecEngine running DSpark (the real draft block and Markov loop) over a fresh cache of
     `slots` request slots, 128 positions each."""

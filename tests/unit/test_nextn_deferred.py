@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import plain_greedy, prefill
+from oracles.decode import nextn_setup, prefill
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative.drafters import NextNDrafter
@@ -37,12 +37,7 @@ class Schedule:
 
 @pytest.fixture(scope="module")
 def tiny(dsv4_model, tiny_ckpt):
-    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
-
-    trunk = dsv4_model("flash")
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in PROMPTS]
-    return trunk, load_nextn_from_dir(tiny_ckpt("flash"), trunk.cfg), prompts, plain_greedy(trunk, prompts, N_NEW)
+    return nextn_setup(dsv4_model, tiny_ckpt, PROMPTS, N_NEW, seed=9)
 
 
 def _engine(trunk, nextn, prefix=False):

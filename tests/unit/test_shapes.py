@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from oracles.decode import plain_greedy, prefill
+from oracles.decode import nextn_setup, prefill
 
 from sglang_dsv4_ascend.batch import Segment
 from sglang_dsv4_ascend.speculative import shapes as S
@@ -175,12 +175,7 @@ def _serve(trunk, nextn, drafter, prompts, guard=None):
 
 @pytest.fixture(scope="module")
 def tiny(dsv4_model, tiny_ckpt):
-    from sglang_dsv4_ascend.models.nextn import load_nextn_from_dir
-
-    trunk = dsv4_model("flash")
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in PROMPTS]
-    return trunk, load_nextn_from_dir(tiny_ckpt("flash"), trunk.cfg), prompts, plain_greedy(trunk, prompts, N_NEW)
+    return nextn_setup(dsv4_model, tiny_ckpt, PROMPTS, N_NEW, seed=5)
 
 
 def test_changing_shapes_with_real_drafts_is_greedy_identical(tiny):
